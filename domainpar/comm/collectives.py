@@ -1,0 +1,270 @@
+"""Collectives on arrays laid out by a Decomposition: allreduce, allgatherv,
+scatterv, gatherv and repartition (alltoallv).
+
+Block data travels as bytes, so every dtype numpy or CuPy knows (complex,
+float16, bool) moves unchanged; only allreduce needs MPI arithmetic types.
+Blocks are packed into contiguous buffers in rank order and unpacked into
+their boxes of the destination; no rank ever builds a global array unless the
+operation's result is one (allgatherv, gatherv on the root).
+"""
+from __future__ import annotations
+
+import numpy as np
+from mpi4py import MPI
+
+from . import buffers, packing, runtime
+from .decomposition import Decomposition
+from .errors import LayoutError, agree, signature_of
+
+_OPS = {"sum": MPI.SUM, "max": MPI.MAX, "min": MPI.MIN, "prod": MPI.PROD}
+_MAX_COUNT = 2**31 - 1  # MPI-3 counts are C ints
+
+
+# -- wire helpers -------------------------------------------------------------------------
+def _to_wire(arr):
+    """What MPI may touch for ``arr``: itself, or a host copy when ``arr`` is on
+    a GPU and MPI is not CUDA-aware. Waits for the producing stream first."""
+    buffers.synchronize(arr)
+    if buffers.is_device(arr) and not runtime.cuda_aware_mpi()[0]:
+        return arr.get()
+    return arr
+
+
+def _from_wire(wire, like):
+    """``wire`` moved back to where ``like`` lives."""
+    if buffers.is_device(like) and isinstance(wire, np.ndarray):
+        return buffers.namespace(like).asarray(wire)
+    return wire
+
+
+def _byte_counts(sizes, itemsize):
+    counts = [int(n) * itemsize for n in sizes]
+    if max(counts, default=0) > _MAX_COUNT:
+        raise LayoutError(f"a message of {max(counts)} bytes exceeds MPI's count limit of "
+                          f"{_MAX_COUNT} bytes: use more ranks or smaller blocks")
+    displs = np.concatenate(([0], np.cumsum(counts)[:-1])).astype(np.int64).tolist()
+    return counts, displs
+
+
+def _pack_boxes(arr, boxes, itemsize):
+    """``arr[box]`` for each box, back to back in one byte buffer."""
+    sizes = [arr[b].size for b in boxes]
+    buf = buffers.empty((sum(sizes) * itemsize,), np.uint8, arr)
+    pos = 0
+    for box, n in zip(boxes, sizes):
+        packing.pack(arr[box], buf[pos:pos + n * itemsize])
+        pos += n * itemsize
+    return buf, sizes
+
+
+def _unpack_boxes(buf, arr, boxes, itemsize):
+    pos = 0
+    for box in boxes:
+        view = arr[box]
+        n = view.size * itemsize
+        packing.unpack(view, buf[pos:pos + n])
+        pos += n
+
+
+def _intersect(a, b):
+    """The box shared by slice tuples ``a`` and ``b`` (global coords), or None."""
+    out = []
+    for x, y in zip(a, b):
+        lo, hi = max(x.start, y.start), min(x.stop, y.stop)
+        if lo >= hi:
+            return None
+        out.append(slice(lo, hi))
+    return tuple(out)
+
+
+def _shift(box, origin):
+    """Global box -> local box of a block starting at ``origin``."""
+    return tuple(slice(s.start - o, s.stop - o) for s, o in zip(box, origin))
+
+
+def _check_block(op, dec, arr_or_exc, problem=None):
+    """Collective: every rank's block must match its local shape and all dtypes agree."""
+    dtype = "?"
+    if isinstance(arr_or_exc, Exception):
+        problem = f"{op}: {arr_or_exc}"
+    elif arr_or_exc is not None:
+        dtype = str(arr_or_exc.dtype)
+        if tuple(arr_or_exc.shape) != dec.local_shape():
+            problem = (f"{op}: block shape {tuple(arr_or_exc.shape)} does not match the "
+                       f"decomposition's local shape {dec.local_shape()}")
+    agree(dec.grid.comm, problem, signature=signature_of(dtype),
+          what=f"{op} dtypes", described=dtype)
+
+
+def _as_array_or_error(a):
+    try:
+        return buffers.as_array(a)
+    except TypeError as exc:
+        return exc
+
+
+# -- allreduce ----------------------------------------------------------------------------
+def allreduce(a, comm: MPI.Comm, op: str = "sum"):
+    """Collective over ``comm``. Reduce ``a`` elementwise over all processes
+    with ``op`` ('sum', 'max', 'min' or 'prod'), in place; returns ``a``."""
+    arr = _as_array_or_error(a)
+    problem = None
+    if isinstance(arr, Exception):
+        problem = f"allreduce: {arr}"
+    elif op not in _OPS:
+        problem = f"allreduce: op {op!r} is not one of {sorted(_OPS)}"
+    else:
+        try:
+            MPI._typedict[arr.dtype.char]
+        except KeyError:
+            problem = f"allreduce: MPI has no arithmetic type for dtype {arr.dtype}"
+    shape = "?" if isinstance(arr, Exception) else f"{arr.dtype}{tuple(arr.shape)}"
+    agree(comm, problem, signature=signature_of(shape), what="allreduce shapes or dtypes",
+          described=shape)
+    if comm.Get_size() == 1 or arr.size == 0:
+        return a
+    work = arr if arr.flags.c_contiguous else buffers.namespace(arr).ascontiguousarray(arr)
+    wire = _to_wire(work)
+    comm.Allreduce(MPI.IN_PLACE, wire, op=_OPS[op])
+    if wire is not arr:
+        buffers.namespace(arr).copyto(arr, _from_wire(wire, arr).reshape(arr.shape))
+    return a
+
+
+# -- allgatherv, gatherv, scatterv ------------------------------------------------------------
+def _members(dec: Decomposition, comm: MPI.Cartcomm) -> list[int]:
+    """Grid ranks of the members of ``comm`` (a sub-communicator of dec.grid
+    spanning the sharded axes), in ``comm``'s rank order."""
+    grid, kept = dec.grid, sorted(dec.shard.values())
+    out = []
+    for i in range(comm.Get_size()):
+        coords = list(grid.coords)
+        for axis, c in zip(kept, comm.Get_coords(i) if kept else ()):
+            coords[axis] = c
+        out.append(grid.comm.Get_cart_rank(coords))
+    return out
+
+
+def allgatherv(block, dec: Decomposition):
+    """Collective. The global array assembled from every rank's block, on every
+    rank (numpy or CuPy, where ``block`` lives). Each group of replicas gathers
+    among itself, so replicated axes cost nothing extra."""
+    arr = _as_array_or_error(block)
+    _check_block("allgatherv", dec, arr)
+    out = buffers.empty(dec.global_shape, arr.dtype, arr)
+    comm = dec.grid.sub(dec.shard.values())
+    members = _members(dec, comm)
+    boxes = [dec.local_slices(r) for r in members]
+    itemsize = arr.dtype.itemsize
+    counts, displs = _byte_counts([int(np.prod(dec.local_shape(r))) for r in members], itemsize)
+    send = _to_wire(buffers.namespace(arr).ascontiguousarray(arr))
+    recv = _to_wire(buffers.empty((sum(counts),), np.uint8, arr))
+    comm.Allgatherv([send.reshape(-1).view(np.uint8), MPI.BYTE],
+                    [recv, (counts, displs), MPI.BYTE])
+    _unpack_boxes(_from_wire(recv, arr), out, boxes, itemsize)
+    return out
+
+
+def gatherv(block, dec: Decomposition, root: int = 0):
+    """Collective. The global array on ``root`` (None elsewhere), from the
+    blocks of the ranks at coordinate 0 of every replicated axis."""
+    arr = _as_array_or_error(block)
+    _check_block("gatherv", dec, arr)
+    grid = dec.grid
+    senders = [r for r in range(grid.size)
+               if all(grid.coords_of(r)[a] == 0 for a in dec.replicated_axes)]
+    itemsize = arr.dtype.itemsize
+    sizes = [int(np.prod(dec.local_shape(r))) if r in senders else 0 for r in range(grid.size)]
+    counts, displs = _byte_counts(sizes, itemsize)
+    mine = arr if grid.rank in senders else arr[tuple(slice(0, 0) for _ in arr.shape)]
+    send = _to_wire(buffers.namespace(arr).ascontiguousarray(mine))
+    if grid.rank != root:
+        grid.comm.Gatherv([send.reshape(-1).view(np.uint8), MPI.BYTE], None, root=root)
+        return None
+    recv = _to_wire(buffers.empty((sum(counts),), np.uint8, arr))
+    grid.comm.Gatherv([send.reshape(-1).view(np.uint8), MPI.BYTE],
+                      [recv, (counts, displs), MPI.BYTE], root=root)
+    out = buffers.empty(dec.global_shape, arr.dtype, arr)
+    _unpack_boxes(_from_wire(recv, arr), out, [dec.local_slices(r) for r in senders], itemsize)
+    return out
+
+
+def scatterv(global_array, dec: Decomposition, root: int = 0):
+    """Collective. Every rank's block of ``global_array``, which only ``root``
+    needs to pass (others pass None). Returns a new numpy or CuPy array."""
+    grid = dec.grid
+    problem, meta = None, None
+    if grid.rank == root:
+        arr = _as_array_or_error(global_array)
+        if isinstance(arr, Exception):
+            problem = f"scatterv: {arr}"
+        elif tuple(arr.shape) != dec.global_shape:
+            problem = (f"scatterv: the root's array has shape {tuple(arr.shape)}, the "
+                       f"decomposition's global shape is {dec.global_shape}")
+        else:
+            meta = (arr.dtype.str, buffers.is_device(arr))
+    agree(grid.comm, problem, what="scatterv arguments")
+    dtype_str, on_device = grid.comm.bcast(meta, root=root)
+    dtype = np.dtype(dtype_str)
+    itemsize = dtype.itemsize
+    counts, displs = _byte_counts(
+        [int(np.prod(dec.local_shape(r))) for r in range(grid.size)], itemsize)
+    recv_host = np.empty(counts[grid.rank], np.uint8)
+    if grid.rank == root:
+        wire_src = _to_wire(arr)
+        send, _ = _pack_boxes(wire_src, [dec.local_slices(r) for r in range(grid.size)], itemsize)
+        grid.comm.Scatterv([send, (counts, displs), MPI.BYTE], [recv_host, MPI.BYTE], root=root)
+    else:
+        grid.comm.Scatterv(None, [recv_host, MPI.BYTE], root=root)
+    block = recv_host.view(dtype).reshape(dec.local_shape())
+    return buffers.to_device(block) if on_device else block
+
+
+# -- repartition ------------------------------------------------------------------------------
+def repartition(block, src: Decomposition, dst: Decomposition):
+    """Collective. Move data laid out by ``src`` into the layout ``dst`` of the
+    same global shape on the same grid (alltoallv): e.g. from sharded-on-H to
+    sharded-on-W, or from uneven to balanced blocks. Returns this rank's new
+    block (numpy or CuPy, where ``block`` lives).
+
+    A destination block takes each piece from the source rank that shares its
+    coordinates on the axes ``src`` replicates, so replicas never send twice.
+    """
+    arr = _as_array_or_error(block)
+    problem = None
+    if src.grid is not dst.grid:
+        problem = "repartition: source and destination decompositions are on different grids"
+    elif src.global_shape != dst.global_shape:
+        problem = (f"repartition: global shapes differ ({src.global_shape} -> "
+                   f"{dst.global_shape})")
+    _check_block("repartition", src, arr, problem)
+    grid = src.grid
+    me, reps = grid.coords, src.replicated_axes
+
+    def shares_replica(r):
+        c = grid.coords_of(r)
+        return all(c[a] == me[a] for a in reps)
+
+    mine_src, mine_dst = src.local_slices(), dst.local_slices()
+    send_boxes, recv_boxes, send_sizes, recv_sizes = [], [], [], []
+    for r in range(grid.size):
+        ok = shares_replica(r)
+        out_box = _intersect(mine_src, dst.local_slices(r)) if ok else None
+        in_box = _intersect(src.local_slices(r), mine_dst) if ok else None
+        send_sizes.append(0 if out_box is None else int(np.prod([s.stop - s.start for s in out_box])))
+        recv_sizes.append(0 if in_box is None else int(np.prod([s.stop - s.start for s in in_box])))
+        if out_box is not None:
+            send_boxes.append(_shift(out_box, src.offsets()))
+        if in_box is not None:
+            recv_boxes.append(_shift(in_box, dst.offsets()))
+    itemsize = arr.dtype.itemsize
+    scounts, sdispls = _byte_counts(send_sizes, itemsize)
+    rcounts, rdispls = _byte_counts(recv_sizes, itemsize)
+    send, _ = _pack_boxes(arr, send_boxes, itemsize)
+    recv = buffers.empty((sum(rcounts),), np.uint8, arr)
+    wire_send, wire_recv = _to_wire(send), _to_wire(recv)
+    grid.comm.Alltoallv([wire_send, (scounts, sdispls), MPI.BYTE],
+                        [wire_recv, (rcounts, rdispls), MPI.BYTE])
+    out = buffers.empty(dst.local_shape(), arr.dtype, arr)
+    _unpack_boxes(_from_wire(wire_recv, arr), out, recv_boxes, itemsize)
+    return out

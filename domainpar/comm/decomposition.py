@@ -1,0 +1,177 @@
+"""Decomposition: a global shape cut into per-rank blocks over a ProcessGrid.
+
+Pure index math: every rank knows every rank's block without a message. The
+constructor's only communication is one small allreduce that checks that every
+rank passed the same arguments (skipped with ``check=False`` by code that derives
+a decomposition the same way on every rank).
+"""
+from __future__ import annotations
+
+import bisect
+import itertools
+from typing import Mapping, Sequence
+
+from .errors import LayoutError, agree, signature_of
+from .grid import ProcessGrid
+
+
+def balanced_sizes(n: int, parts: int) -> tuple[int, ...]:
+    """``n`` cut into ``parts`` blocks; the first ``n % parts`` get one more."""
+    q, r = divmod(n, parts)
+    return tuple(q + (c < r) for c in range(parts))
+
+
+class Decomposition:
+    """Collective (a consistency check; see ``check``). How a global array shape is
+    cut over a ProcessGrid.
+
+    ``shard={tensor_dim: grid_axis}`` cuts a tensor dim along a grid axis; grid
+    axes that no dim names replicate the data. Blocks are balanced by default
+    (the first ``n % p`` coordinates get one more) or given per dim with
+    ``sizes={dim: [n_0, n_1, ...]}``, one per coordinate along the axis; they
+    may be uneven and may be zero. Negative dims count from the end.
+    """
+
+    def __init__(self, global_shape: Sequence[int], grid: ProcessGrid,
+                 shard: Mapping[int, int] | None = None,
+                 sizes: Mapping[int, Sequence[int]] | None = None, *, check: bool = True):
+        self.grid = grid
+        problem = None
+        try:
+            self.global_shape = tuple(int(n) for n in global_shape)
+            if any(n < 0 for n in self.global_shape):
+                raise LayoutError(f"global shape {self.global_shape} has a negative size")
+            self.shard = self._normalise_shard(shard or {})
+            self._sizes = self._normalise_sizes(sizes or {})
+        except (LayoutError, TypeError, ValueError) as exc:
+            problem = f"Decomposition({tuple(global_shape)}, shard={shard}, sizes={sizes}): {exc}"
+            self.global_shape, self.shard, self._sizes = (), {}, {}
+        if check:
+            agree(grid.comm, problem,
+                  signature=signature_of(self.global_shape, self.shard, self._sizes),
+                  what="Decomposition global shapes, shard maps or sizes",
+                  described=f"global_shape={self.global_shape} shard={self.shard}")
+        elif problem:
+            raise LayoutError(problem)
+        self._offsets = {d: tuple(itertools.accumulate(s, initial=0)) for d, s in self._sizes.items()}
+
+    def _normalise_shard(self, shard: Mapping[int, int]) -> dict[int, int]:
+        ndim, gdim = len(self.global_shape), self.grid.ndim
+        out: dict[int, int] = {}
+        for dim, axis in shard.items():
+            dim, axis = int(dim), int(axis)
+            if not -ndim <= dim < ndim:
+                raise LayoutError(f"shard names tensor dim {dim}, but the tensor has {ndim} dims")
+            if not -gdim <= axis < gdim:
+                raise LayoutError(f"shard maps dim {dim} to grid axis {axis}, "
+                                  f"but the grid has {gdim} axes")
+            dim, axis = dim % ndim, axis % gdim
+            if dim in out:
+                raise LayoutError(f"shard names tensor dim {dim} twice")
+            if axis in out.values():
+                raise LayoutError(f"shard maps two tensor dims to grid axis {axis}")
+            out[dim] = axis
+        return dict(sorted(out.items()))
+
+    def _normalise_sizes(self, sizes: Mapping[int, Sequence[int]]) -> dict[int, tuple[int, ...]]:
+        ndim = len(self.global_shape)
+        given = {}
+        for dim, s in sizes.items():
+            dim = int(dim)
+            if not -ndim <= dim < ndim or dim % ndim not in self.shard:
+                raise LayoutError(f"sizes given for dim {dim}, which is not sharded")
+            given[dim % ndim] = tuple(int(n) for n in s)
+        out = {}
+        for dim, axis in self.shard.items():
+            parts, n = self.grid.dims[axis], self.global_shape[dim]
+            s = given.get(dim, balanced_sizes(n, parts))
+            if len(s) != parts:
+                raise LayoutError(f"sizes for dim {dim} have {len(s)} entries, but grid "
+                                  f"axis {axis} has {parts} processes")
+            if any(b < 0 for b in s) or sum(s) != n:
+                raise LayoutError(f"sizes {list(s)} for dim {dim} must be >= 0 and sum "
+                                  f"to its global size {n}")
+            out[dim] = s
+        return out
+
+    # -- queries (local) -----------------------------------------------------------
+    @property
+    def ndim(self) -> int:
+        return len(self.global_shape)
+
+    def axis_of(self, dim: int) -> int | None:
+        """The grid axis that cuts ``dim``, or None when ``dim`` is not sharded."""
+        return self.shard.get(dim % self.ndim)
+
+    @property
+    def replicated_axes(self) -> tuple[int, ...]:
+        """Grid axes that no tensor dim is cut along."""
+        return tuple(a for a in range(self.grid.ndim) if a not in self.shard.values())
+
+    def block_sizes(self, dim: int) -> tuple[int, ...]:
+        """Block sizes along ``dim``, one per coordinate of its grid axis
+        (one entry, the global size, for a dim that is not sharded)."""
+        dim %= self.ndim
+        return self._sizes.get(dim, (self.global_shape[dim],))
+
+    def block_offsets(self, dim: int) -> tuple[int, ...]:
+        """Block start offsets along ``dim``, plus the global size as a last entry."""
+        dim %= self.ndim
+        return self._offsets.get(dim, (0, self.global_shape[dim]))
+
+    def _coords(self, rank: int | None) -> tuple[int, ...]:
+        return self.grid.coords if rank is None else self.grid.coords_of(rank)
+
+    def local_shape(self, rank: int | None = None) -> tuple[int, ...]:
+        """The block shape of ``rank`` (default: this rank)."""
+        coords = self._coords(rank)
+        return tuple(self._sizes[d][coords[self.shard[d]]] if d in self.shard else n
+                     for d, n in enumerate(self.global_shape))
+
+    def offsets(self, rank: int | None = None) -> tuple[int, ...]:
+        """The global index of the first element of ``rank``'s block."""
+        coords = self._coords(rank)
+        return tuple(self._offsets[d][coords[self.shard[d]]] if d in self.shard else 0
+                     for d in range(self.ndim))
+
+    def local_slices(self, rank: int | None = None) -> tuple[slice, ...]:
+        """Slices of the global array that ``rank``'s block holds."""
+        return tuple(slice(o, o + n) for o, n in zip(self.offsets(rank), self.local_shape(rank)))
+
+    def owner_coord(self, dim: int, index: int) -> int:
+        """The coordinate along ``dim``'s grid axis of the block holding ``index``."""
+        dim %= self.ndim
+        n = self.global_shape[dim]
+        if not 0 <= index < n:
+            raise LayoutError(f"index {index} is outside dim {dim} of size {n}")
+        if dim not in self.shard:
+            return 0
+        # The last block starting at or before index: zero-size blocks share their
+        # start with the next block, so they are skipped.
+        return bisect.bisect_right(self._offsets[dim], index, hi=len(self._sizes[dim])) - 1
+
+    def owner(self, index: Sequence[int], rank: int | None = None) -> int:
+        """The rank whose block holds global ``index`` among the ranks that share
+        ``rank``'s coordinates on the replicated grid axes (default: this rank)."""
+        if len(index) != self.ndim:
+            raise LayoutError(f"index {tuple(index)} needs {self.ndim} entries")
+        coords = list(self._coords(rank))
+        for dim, i in enumerate(index):
+            c = self.owner_coord(dim, int(i))
+            if dim in self.shard:
+                coords[self.shard[dim]] = c
+        return self.grid.comm.Get_cart_rank(coords)
+
+    def __eq__(self, other) -> bool:
+        return (isinstance(other, Decomposition) and self.grid is other.grid
+                and self.global_shape == other.global_shape and self.shard == other.shard
+                and self._sizes == other._sizes)
+
+    def __hash__(self) -> int:
+        return hash((id(self.grid), self.global_shape, tuple(self.shard.items()),
+                     tuple(self._sizes.items())))
+
+    def __repr__(self) -> str:
+        sizes = {d: list(s) for d, s in self._sizes.items()}
+        return (f"Decomposition(global_shape={self.global_shape}, grid dims={self.grid.dims}, "
+                f"shard={self.shard}, sizes={sizes})")

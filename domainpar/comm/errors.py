@@ -1,0 +1,55 @@
+"""Errors, and the one way domainpar raises them: on every rank alike.
+
+A rank that raises alone leaves its peers blocked in the next collective, so
+every check whose outcome may differ between ranks goes through ``agree``:
+one small allreduce tells all ranks whether any rank found a problem, and only
+then (the rare path) are the messages gathered so that every rank raises the
+same error naming the ranks concerned.
+"""
+from __future__ import annotations
+
+import zlib
+
+import numpy as np
+from mpi4py import MPI
+
+
+class DomainparError(Exception):
+    """Base class of every error domainpar raises on purpose."""
+
+
+class LayoutError(DomainparError, ValueError):
+    """A grid, decomposition, halo width or array shape that does not fit."""
+
+
+class MismatchError(LayoutError):
+    """Arguments that must be equal on every rank differ between ranks."""
+
+
+def signature_of(*values) -> int:
+    """A stable 31-bit digest of ``values`` for comparing arguments across ranks."""
+    return zlib.crc32(repr(values).encode()) & 0x7FFFFFFF
+
+
+def agree(comm: MPI.Comm, problem: str | None, *, signature: int = 0,
+          what: str = "arguments", described: str = "") -> None:
+    """Collective. Raise the same error on every rank if any rank found a problem.
+
+    ``problem`` is this rank's complaint (None when all is well); ``signature``
+    is a digest (``signature_of``) of the values that must be equal on every rank,
+    ``described`` their human-readable form, used only in the error message.
+    Costs one allreduce of three integers when all is well.
+    """
+    flags = np.array([problem is not None, signature, -signature], dtype=np.int64)
+    if comm.Get_size() > 1:
+        comm.Allreduce(MPI.IN_PLACE, flags, op=MPI.MAX)
+    mismatch = flags[1] != -flags[2]
+    if not flags[0] and not mismatch:
+        return
+    # The rare path: every rank learns every rank's story.
+    stories = comm.allgather((problem, described))
+    problems = [f"rank {r}: {p}" for r, (p, _) in enumerate(stories) if p is not None]
+    if problems:
+        raise LayoutError("; ".join(problems))
+    values = "; ".join(f"rank {r}: {d}" for r, (_, d) in enumerate(stories))
+    raise MismatchError(f"{what} differ between ranks ({values})")

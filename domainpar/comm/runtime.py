@@ -1,0 +1,136 @@
+"""MPI runtime: init, abort on uncaught exceptions, node-local device binding,
+and the capability report behind ``domainpar info``."""
+from __future__ import annotations
+
+import ctypes
+import functools
+import os
+import sys
+
+from mpi4py import MPI
+
+_initialised = False
+
+
+def init(bind_device: bool = True) -> MPI.Comm:
+    """Collective on first call (over ``MPI.COMM_WORLD``); idempotent.
+
+    Starts MPI if needed (also fine without ``mpiexec``: a world of one), makes
+    an uncaught exception on any rank abort the whole job instead of leaving the
+    other ranks waiting in their next collective, and binds this rank to a GPU
+    chosen by its node-local rank when CuPy sees one. Returns ``MPI.COMM_WORLD``.
+    """
+    global _initialised
+    if not MPI.Is_initialized():
+        MPI.Init_thread(MPI.THREAD_MULTIPLE)
+    if not _initialised:
+        _install_abort_hook()
+        if bind_device:
+            bind_gpu()
+        _initialised = True
+    return MPI.COMM_WORLD
+
+
+def _install_abort_hook() -> None:
+    previous = sys.excepthook
+
+    def abort_on_uncaught(kind, value, tb):
+        previous(kind, value, tb)
+        if MPI.Is_initialized() and not MPI.Is_finalized() and MPI.COMM_WORLD.Get_size() > 1:
+            sys.stderr.write(f"domainpar: uncaught {kind.__name__} on rank "
+                             f"{MPI.COMM_WORLD.Get_rank()}; aborting the job\n")
+            sys.stderr.flush()
+            MPI.COMM_WORLD.Abort(1)
+
+    sys.excepthook = abort_on_uncaught
+
+
+@functools.lru_cache(maxsize=None)
+def node_comm() -> MPI.Comm:
+    """Collective on first call. The processes of this node (shared memory)."""
+    return MPI.COMM_WORLD.Split_type(MPI.COMM_TYPE_SHARED)
+
+
+def local_rank() -> int:
+    """Collective on first call. This process's rank among those on its node."""
+    return node_comm().Get_rank()
+
+
+def gpu_count() -> int:
+    """GPUs this process sees through CuPy (0 without CuPy or without a GPU)."""
+    try:
+        import cupy
+        return int(cupy.cuda.runtime.getDeviceCount())
+    except Exception:
+        return 0
+
+
+def bind_gpu() -> int | None:
+    """Collective on first call. Make GPU ``local_rank % count`` this process's
+    current device (several ranks may share one); returns its index or None."""
+    count = gpu_count()
+    if count == 0:
+        return None
+    device = local_rank() % count
+    import cupy
+    cupy.cuda.Device(device).use()
+    return device
+
+
+@functools.lru_cache(maxsize=None)
+def cuda_aware_mpi() -> tuple[bool | None, str]:
+    """(yes/no/unknown, how that was decided) for passing device buffers to MPI.
+
+    ``DOMAINPAR_CUDA_AWARE=1`` or ``0`` forces the answer (to force staging, or
+    for an MPI that is CUDA-aware but cannot say so); otherwise the library is
+    asked through ``MPIX_Query_cuda_support`` where it has that call.
+    """
+    forced = os.environ.get("DOMAINPAR_CUDA_AWARE")
+    if forced in ("0", "1"):
+        return forced == "1", f"forced by DOMAINPAR_CUDA_AWARE={forced}"
+    try:
+        query = getattr(ctypes.CDLL(MPI.__file__), "MPIX_Query_cuda_support")
+    except (OSError, AttributeError):
+        return None, "the MPI library has no MPIX_Query_cuda_support; set DOMAINPAR_CUDA_AWARE"
+    query.restype = ctypes.c_int
+    return bool(query()), "MPIX_Query_cuda_support()"
+
+
+def capabilities() -> dict:
+    """Local. What this process's MPI, GPU and I/O stack can do (no torch here;
+    the CLI adds torch's view)."""
+    from . import packing
+    aware, how = cuda_aware_mpi()
+    vendor, version = MPI.get_vendor()
+    report = {
+        "mpi_library": MPI.Get_library_version().strip().splitlines()[0],
+        "mpi_vendor": f"{vendor} {'.'.join(map(str, version))}",
+        "mpi_standard": "{}.{}".format(*MPI.Get_version()),
+        "world_size": MPI.COMM_WORLD.Get_size(),
+        "cuda_aware_mpi": {True: "yes", False: "no", None: "unknown"}[aware],
+        "cuda_aware_mpi_how": how,
+        "cupy": _cupy_report(),
+        "h5py": _h5py_report(),
+    }
+    found, where = packing.native_library()
+    report["native_kernels"] = ("found: " if found else "not found: ") + where
+    return report
+
+
+def _cupy_report() -> str:
+    try:
+        import cupy
+    except Exception as exc:
+        return f"not installed ({type(exc).__name__})"
+    count = gpu_count()
+    return f"{cupy.__version__}, {count} GPU(s) visible"
+
+
+def _h5py_report() -> str:
+    try:
+        import h5py
+    except Exception as exc:
+        return f"not installed ({type(exc).__name__})"
+    mpi = "with MPI (parallel HDF5)" if h5py.get_config().mpi else "without MPI (serial HDF5)"
+    return f"{h5py.__version__} {mpi}, HDF5 {h5py.version.hdf5_version}"
+
