@@ -19,52 +19,58 @@
 
 typedef enum { DP_PACK, DP_UNPACK } dp_direction;
 
-/* Copy one innermost row of `n` elements between array (stride `s`) and buffer. */
-static inline void copy_row(char *arr, const char *buf_in, char *buf_out, int64_t n,
-                            int64_t s, int64_t item, dp_direction dir) {
-    if (s == item) {
-        if (dir == DP_PACK) memcpy(buf_out, arr, (size_t)(n * item));
-        else memcpy(arr, buf_in, (size_t)(n * item));
-        return;
-    }
-#define DP_STRIDED(T)                                                          \
+/* Copy `n` chunks of `chunk` bytes, `s` bytes apart in the array, back to back in
+ * the buffer. A chunk is one element, or a whole contiguous innermost row; fixed
+ * sizes become single moves instead of memcpy calls. */
+static inline void copy_chunks(char *arr, char *buf, int64_t n, int64_t s,
+                               int64_t chunk, dp_direction dir) {
+#define DP_MOVE(T)                                                             \
     do {                                                                       \
-        if (dir == DP_PACK) {                                                  \
-            T *o = (T *)buf_out;                                               \
-            for (int64_t i = 0; i < n; ++i) o[i] = *(const T *)(arr + i * s);  \
-        } else {                                                               \
-            const T *in = (const T *)buf_in;                                   \
-            for (int64_t i = 0; i < n; ++i) *(T *)(arr + i * s) = in[i];       \
-        }                                                                      \
+        T *b = (T *)buf;                                                       \
+        if (dir == DP_PACK)                                                    \
+            for (int64_t i = 0; i < n; ++i) memcpy(b + i, arr + i * s, sizeof(T)); \
+        else                                                                   \
+            for (int64_t i = 0; i < n; ++i) memcpy(arr + i * s, b + i, sizeof(T)); \
     } while (0)
-    switch (item) {
-    case 1: DP_STRIDED(uint8_t); return;
-    case 2: DP_STRIDED(uint16_t); return;
-    case 4: DP_STRIDED(uint32_t); return;
-    case 8: DP_STRIDED(uint64_t); return;
+    typedef struct { uint64_t w[2]; } dp16;
+    typedef struct { uint64_t w[4]; } dp32;
+    switch (chunk) {
+    case 1: DP_MOVE(uint8_t); return;
+    case 2: DP_MOVE(uint16_t); return;
+    case 4: DP_MOVE(uint32_t); return;
+    case 8: DP_MOVE(uint64_t); return;
+    case 16: DP_MOVE(dp16); return;
+    case 32: DP_MOVE(dp32); return;
     default:
         for (int64_t i = 0; i < n; ++i) {
-            if (dir == DP_PACK) memcpy(buf_out + i * item, arr + i * s, (size_t)item);
-            else memcpy(arr + i * s, buf_in + i * item, (size_t)item);
+            if (dir == DP_PACK) memcpy(buf + i * chunk, arr + i * s, (size_t)chunk);
+            else memcpy(arr + i * s, buf + i * chunk, (size_t)chunk);
         }
     }
-#undef DP_STRIDED
+#undef DP_MOVE
 }
 
-static int walk(char *arr, const char *buf_in, char *buf_out, int ndim,
-                const int64_t *shape, const int64_t *strides, int64_t item,
-                dp_direction dir) {
+static int walk(char *arr, char *buf, int ndim, const int64_t *shape,
+                const int64_t *strides, int64_t item, dp_direction dir) {
     if (ndim < 1 || ndim > DP_MAX_DIMS) return -1;
     for (int d = 0; d < ndim; ++d)
         if (shape[d] == 0) return 0;
+    int64_t chunk = item;
+    if (strides[ndim - 1] == item) { /* a contiguous innermost row is one chunk */
+        chunk = item * shape[ndim - 1];
+        if (--ndim == 0) {
+            if (dir == DP_PACK) memcpy(buf, arr, (size_t)chunk);
+            else memcpy(arr, buf, (size_t)chunk);
+            return 0;
+        }
+    }
     int64_t idx[DP_MAX_DIMS] = {0};
     const int inner = ndim - 1;
-    const int64_t row_bytes = shape[inner] * item;
+    const int64_t n = shape[inner], row_bytes = n * chunk;
     int64_t offset = 0; /* byte offset of the current row in the array */
     int64_t pos = 0;    /* byte offset of the current row in the buffer */
     for (;;) {
-        copy_row(arr + offset, buf_in ? buf_in + pos : NULL, buf_out ? buf_out + pos : NULL,
-                 shape[inner], strides[inner], item, dir);
+        copy_chunks(arr + offset, buf + pos, n, strides[inner], chunk, dir);
         pos += row_bytes;
         int d = inner - 1;
         for (; d >= 0; --d) { /* odometer over the outer dims */
@@ -79,12 +85,12 @@ static int walk(char *arr, const char *buf_in, char *buf_out, int ndim,
 
 int dp_pack(const char *arr, int ndim, const int64_t *shape, const int64_t *strides,
             int64_t itemsize, char *buf) {
-    return walk((char *)arr, NULL, buf, ndim, shape, strides, itemsize, DP_PACK);
+    return walk((char *)arr, buf, ndim, shape, strides, itemsize, DP_PACK);
 }
 
 int dp_unpack(char *arr, int ndim, const int64_t *shape, const int64_t *strides,
               int64_t itemsize, const char *buf) {
-    return walk(arr, buf, NULL, ndim, shape, strides, itemsize, DP_UNPACK);
+    return walk(arr, (char *)buf, ndim, shape, strides, itemsize, DP_UNPACK);
 }
 
 /* arr[box] += buf, typed. */

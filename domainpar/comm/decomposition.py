@@ -44,13 +44,14 @@ class Decomposition:
             self.shard = self._normalise_shard(shard or {})
             self._sizes = self._normalise_sizes(sizes or {})
         except (LayoutError, TypeError, ValueError) as exc:
-            problem = f"Decomposition({tuple(global_shape)}, shard={shard}, sizes={sizes}): {exc}"
+            problem = f"Decomposition({global_shape!r}, shard={shard}, sizes={sizes}): {exc}"
             self.global_shape, self.shard, self._sizes = (), {}, {}
         if check:
             agree(grid.comm, problem,
                   signature=signature_of(self.global_shape, self.shard, self._sizes),
                   what="Decomposition global shapes, shard maps or sizes",
-                  described=f"global_shape={self.global_shape} shard={self.shard}")
+                  described=f"global_shape={self.global_shape} shard={self.shard} "
+                            f"sizes={self._sizes}")
         elif problem:
             raise LayoutError(problem)
         self._offsets = {d: tuple(itertools.accumulate(s, initial=0)) for d, s in self._sizes.items()}
@@ -99,9 +100,15 @@ class Decomposition:
     def ndim(self) -> int:
         return len(self.global_shape)
 
+    def _dim(self, dim: int) -> int:
+        """``dim`` as a non-negative tensor dim; an error when there is no such dim."""
+        if not -self.ndim <= dim < self.ndim:
+            raise LayoutError(f"tensor dim {dim} does not exist in a {self.ndim}-D decomposition")
+        return dim % self.ndim
+
     def axis_of(self, dim: int) -> int | None:
         """The grid axis that cuts ``dim``, or None when ``dim`` is not sharded."""
-        return self.shard.get(dim % self.ndim)
+        return self.shard.get(self._dim(dim))
 
     @property
     def replicated_axes(self) -> tuple[int, ...]:
@@ -111,12 +118,12 @@ class Decomposition:
     def block_sizes(self, dim: int) -> tuple[int, ...]:
         """Block sizes along ``dim``, one per coordinate of its grid axis
         (one entry, the global size, for a dim that is not sharded)."""
-        dim %= self.ndim
+        dim = self._dim(dim)
         return self._sizes.get(dim, (self.global_shape[dim],))
 
     def block_offsets(self, dim: int) -> tuple[int, ...]:
         """Block start offsets along ``dim``, plus the global size as a last entry."""
-        dim %= self.ndim
+        dim = self._dim(dim)
         return self._offsets.get(dim, (0, self.global_shape[dim]))
 
     def _coords(self, rank: int | None) -> tuple[int, ...]:
@@ -140,7 +147,7 @@ class Decomposition:
 
     def owner_coord(self, dim: int, index: int) -> int:
         """The coordinate along ``dim``'s grid axis of the block holding ``index``."""
-        dim %= self.ndim
+        dim = self._dim(dim)
         n = self.global_shape[dim]
         if not 0 <= index < n:
             raise LayoutError(f"index {index} is outside dim {dim} of size {n}")

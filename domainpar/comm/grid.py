@@ -105,6 +105,8 @@ class ProcessGrid:
     def rank_of(self, coords: Sequence[int]) -> int:
         """Local. The rank at ``coords``; periodic axes wrap, and a coordinate off a
         non-periodic axis gives ``MPI.PROC_NULL``."""
+        if len(coords) != self.ndim:
+            raise LayoutError(f"coordinates {tuple(coords)} need {self.ndim} entries")
         wrapped = []
         for axis, (c, n) in enumerate(zip(coords, self.dims)):
             if self.periodic[axis]:

@@ -1,9 +1,11 @@
 """Pack and unpack strided boxes of arrays to and from contiguous buffers.
 
-The native C kernels (kernels/pack.c, built by CMakeLists.txt into
-domainpar/_native/) copy strided halo faces several times faster than numpy;
-without them numpy's own copy is used. Device (CuPy) arrays use CuPy's copy
-kernels. ``native_library()`` says which was found, for ``domainpar info``.
+Host arrays: the C kernels (kernels/pack.c, built by CMakeLists.txt into
+domainpar/_native/) copy faces made of short rows several times faster than
+numpy, and single-element rows about as fast; without them numpy's copy is used.
+Device arrays: the CUDA kernels (kernels/pack.cu), compiled at run time by
+NVRTC through CuPy; CuPy's own copy if they fail to compile.
+``native_library()`` says what was found, for ``domainpar info``.
 """
 from __future__ import annotations
 
@@ -16,6 +18,8 @@ import numpy as np
 from . import buffers
 
 _NATIVE_DIR = Path(__file__).resolve().parent.parent / "_native"
+_CUDA_SOURCE = Path(__file__).resolve().parent.parent.parent / "kernels" / "pack.cu"
+_CUDA_MAX_DIMS = 8  # DP_MAX_DIMS in pack.cu
 _ADD_CODES = {np.dtype(np.float32): b"f", np.dtype(np.float64): b"d",
               np.dtype(np.int32): b"i", np.dtype(np.int64): b"l",
               np.dtype(np.complex64): b"f", np.dtype(np.complex128): b"d"}
@@ -43,6 +47,8 @@ def _load_native():
 
 
 _LIB, _LIB_WHERE = _load_native()
+# The benchmark flips this to time numpy's copy against the C kernels in one run.
+use_native = True
 
 
 def native_library() -> tuple[bool, str]:
@@ -75,9 +81,11 @@ def _c_args(view: np.ndarray, shape, strides):
 def pack(view, buf) -> None:
     """Copy the (possibly strided) array ``view`` into the contiguous ``buf``
     (any dtype, ``view.nbytes`` long)."""
-    if isinstance(view, np.ndarray) and _LIB is not None and view.size:
+    if isinstance(view, np.ndarray) and _LIB is not None and use_native and view.size:
         shape, strides = _merged_layout(view)
         _LIB.dp_pack(*_c_args(view, shape, strides), view.itemsize, buf.ctypes.data)
+        return
+    if not isinstance(view, np.ndarray) and _cuda_copy(view, buf, "pack"):
         return
     xp = buffers.namespace(view)
     xp.copyto(buf.view(view.dtype).reshape(view.shape), view)
@@ -85,7 +93,7 @@ def pack(view, buf) -> None:
 
 def unpack(view, buf, add: bool = False) -> None:
     """Copy (or with ``add``, add) the contiguous ``buf`` into the array ``view``."""
-    if isinstance(view, np.ndarray) and _LIB is not None and view.size:
+    if isinstance(view, np.ndarray) and _LIB is not None and use_native and view.size:
         shape, strides = _merged_layout(view)
         if not add:
             _LIB.dp_unpack(*_c_args(view, shape, strides), view.itemsize, buf.ctypes.data)
@@ -96,8 +104,62 @@ def unpack(view, buf, add: bool = False) -> None:
                 shape, strides = shape + [2], strides + [view.itemsize // 2]
             _LIB.dp_unpack_add(*_c_args(view, shape, strides), code, buf.ctypes.data)
             return
+    elif not isinstance(view, np.ndarray) and _cuda_copy(view, buf, "unpack_add" if add else "unpack"):
+        return
     src = buf.view(view.dtype).reshape(view.shape)
     if add:
         view += src
     else:
         buffers.namespace(view).copyto(view, src)
+
+
+# -- device arrays --------------------------------------------------------------------------
+_CUDA_ADD_SUFFIX = {"f": "f", "d": "d", "i": "i", "l": "l"}
+_cuda_state: dict = {}
+
+
+def _cuda_module():
+    """The compiled kernels/pack.cu (once per process), or None if it cannot be built."""
+    if "module" not in _cuda_state:
+        try:
+            import cupy
+            _cuda_state["module"] = cupy.RawModule(code=_CUDA_SOURCE.read_text())
+            _cuda_state["why"] = f"compiled {_CUDA_SOURCE.name} with NVRTC"
+        except Exception as exc:  # no CuPy, no NVRTC, or no source: CuPy's copy serves
+            _cuda_state["module"] = None
+            _cuda_state["why"] = f"CUDA kernels unavailable ({type(exc).__name__}: {exc})"
+    return _cuda_state["module"]
+
+
+def _cuda_copy(view, buf, what: str) -> bool:
+    """Run a kernels/pack.cu kernel for a CuPy ``view``; False when none fits."""
+    module = _cuda_module()
+    if module is None or view.size == 0:
+        return False
+    shape, strides = _merged_layout(view)
+    item = view.itemsize
+    if what == "unpack_add":
+        code = _ADD_CODES.get(view.dtype)
+        if code is None:
+            return False
+        if view.dtype.kind == "c":
+            shape, strides = shape + [2], strides + [item // 2]
+            item //= 2
+        name = f"dp_unpack_add_{code.decode()}"
+    elif item in (1, 2, 4, 8, 16):
+        name = f"dp_{what}_{item}"
+    else:
+        return False
+    if len(shape) > _CUDA_MAX_DIMS:
+        return False
+    import cupy
+    layout = np.zeros(1 + 2 * _CUDA_MAX_DIMS, np.int64)
+    layout[0] = len(shape)
+    layout[1:1 + len(shape)] = shape
+    layout[1 + _CUDA_MAX_DIMS:1 + _CUDA_MAX_DIMS + len(shape)] = strides
+    n = int(np.prod(shape))
+    threads = 256
+    blocks = min((n + threads - 1) // threads, 65535)
+    module.get_function(name)((blocks,), (threads,),
+                              (view.data.ptr, buf.data.ptr, cupy.asarray(layout), np.int64(n)))
+    return True

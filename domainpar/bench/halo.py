@@ -1,0 +1,160 @@
+"""`domainpar bench halo`: HaloExchange.fill against raw mpi4py on the same bytes.
+
+For 2-D and 3-D float32 fields sharded along one axis at a time over a 1-D
+grid of all ranks, each face (halo width x the cross-section) is sized 1 MiB
+to 64 MiB. Timed side by side, round-robin, in one run:
+
+- ``sendrecv``: raw ``comm.Sendrecv`` of contiguous buffers of the same bytes
+  between the same ranks: the wire, the target to match;
+- ``fill``: ``HaloExchange.fill`` (contiguous faces go straight to MPI; strided
+  ones through the C pack kernels);
+- ``fill_numpy``: the same with numpy's copy instead of the C kernels;
+- ``subarray``: raw ``comm.Sendrecv`` of the same face straight from the array
+  with MPI subarray datatypes (MPI packs it), the other way to avoid packing.
+"""
+from __future__ import annotations
+
+import json
+import math
+import platform
+from pathlib import Path
+
+import numpy as np
+from mpi4py import MPI
+
+from ..comm import Decomposition, HaloExchange, ProcessGrid, capabilities, packing
+from .timing import interleaved, median
+
+TARGET_RATIO = 1.10
+
+
+def _field_shape(ndim: int, axis: int, face_bytes: int, width: int, block: int, ranks: int):
+    """A float32 field whose face along ``axis`` (``width`` deep) has ``face_bytes``."""
+    cross = face_bytes // (4 * width)
+    if ndim == 2:
+        others = [cross]
+    else:
+        side = int(round(math.sqrt(cross)))
+        others = [side, cross // side]
+    shape = list(others)
+    shape.insert(axis, block * ranks)
+    return tuple(shape)
+
+
+def _raw_paths(comm, halo, arr):
+    """Raw mpi4py equivalents of one fill: per peer, a Sendrecv of contiguous
+    buffers of the same bytes, and one of the same boxes by subarray datatype."""
+    (_dim, sends, recvs), = halo._rounds
+    peers = sorted({t.peer for t in sends} | {t.peer for t in recvs})
+    mpi_type = MPI.FLOAT
+
+    def subarray(box):
+        return mpi_type.Create_subarray(arr.shape, [s.stop - s.start for s in box],
+                                        [s.start for s in box]).Commit()
+
+    plain, typed = [], []
+    for peer in peers:
+        out = [t for t in sends if t.peer == peer]
+        inn = [t for t in recvs if t.peer == peer]
+        # one message each way per peer in these layouts (width <= block)
+        assert len(out) == 1 and len(inn) == 1, "bench layouts exchange one face per peer"
+        nbytes_out = arr[out[0].box].nbytes
+        nbytes_in = arr[inn[0].box].nbytes
+        plain.append((peer, np.ones(nbytes_out, np.uint8), np.empty(nbytes_in, np.uint8)))
+        typed.append((peer, subarray(out[0].box), subarray(inn[0].box)))
+
+    def sendrecv():
+        for peer, sbuf, rbuf in plain:
+            comm.Sendrecv([sbuf, MPI.BYTE], peer, 0, [rbuf, MPI.BYTE], peer, 0)
+
+    def sendrecv_subarray():
+        for peer, stype, rtype in typed:
+            comm.Sendrecv([arr, 1, stype], peer, 0, [arr, 1, rtype], peer, 0)
+
+    def free():
+        for _, s, r in typed:
+            s.Free()
+            r.Free()
+
+    return sendrecv, sendrecv_subarray, free
+
+
+def run(dims=(2, 3), faces_mib=(1, 4, 16, 64), width=1, block=8, repeats=11,
+        out: str | None = "bench-out/halo.json", log=print) -> dict:
+    """Collective over MPI.COMM_WORLD. Run the benchmark; returns the report
+    (rank 0 also writes it to ``out`` as JSON)."""
+    comm = MPI.COMM_WORLD
+    size, rank = comm.Get_size(), comm.Get_rank()
+    if size < 2:
+        raise SystemExit("domainpar bench halo needs 2 or more MPI ranks "
+                         "(domainpar bench halo -n 2 launches them)")
+    grid = ProcessGrid((size,))
+    if rank == 0:
+        log(f"halo fill vs raw mpi4py on {size} ranks, float32, width {width}, "
+            f"medians of {repeats} interleaved runs")
+        log(HEADER)
+    cases = []
+    for ndim in dims:
+        for axis in range(ndim):
+            for face in faces_mib:
+                shape = _field_shape(ndim, axis, int(face * 2**20), width, block, size)
+                dec = Decomposition(shape, grid, shard={axis: 0})
+                halo = HaloExchange(dec, {axis: width})
+                arr = np.ones(halo.padded_shape, np.float32)
+                face_bytes = arr[halo.ghost_slices(axis, "lo")].nbytes
+                strided = not arr[halo.ghost_slices(axis, "lo")].flags.c_contiguous
+                sendrecv, subarray, free = _raw_paths(grid.comm, halo, arr)
+
+                def fill_numpy():
+                    packing.use_native = False
+                    try:
+                        halo.fill(arr)
+                    finally:
+                        packing.use_native = True
+
+                paths = {"sendrecv": sendrecv, "fill": lambda: halo.fill(arr),
+                         "subarray": subarray}
+                if strided:
+                    paths["fill_numpy"] = fill_numpy
+                reps = repeats if face <= 16 else max(5, repeats // 2)
+                samples = interleaved(grid.comm, paths, reps)
+                free()
+                med = {k: median(v) for k, v in samples.items()}
+                case = {
+                    "ndim": ndim, "axis": axis, "strided": strided, "field_shape": list(shape),
+                    "padded_block_shape": list(halo.padded_shape), "width": width,
+                    "face_bytes": face_bytes, "repeats": reps,
+                    "median_s": med, "samples_s": samples,
+                    "ratio_fill_to_sendrecv": med["fill"] / med["sendrecv"],
+                    "ratio_fill_to_subarray": med["fill"] / med["subarray"],
+                    "wire_GBps": face_bytes / med["sendrecv"] / 1e9,
+                }
+                if strided:
+                    case["ratio_fill_to_fill_numpy"] = med["fill"] / med["fill_numpy"]
+                case["meets_target"] = case["ratio_fill_to_sendrecv"] <= TARGET_RATIO
+                cases.append(case)
+                if rank == 0:
+                    log(_row(case))
+                del arr, halo
+    report = {
+        "benchmark": "halo", "ranks": size, "target_ratio": TARGET_RATIO,
+        "host": platform.node(), "machine": platform.machine(),
+        "capabilities": capabilities(), "cases": cases,
+    }
+    if rank == 0 and out:
+        Path(out).parent.mkdir(parents=True, exist_ok=True)
+        Path(out).write_text(json.dumps(report, indent=1))
+        log(f"wrote {out}")
+    return report
+
+
+HEADER = (f"{'field':>5} {'axis':>4} {'face MiB':>8} {'sendrecv ms':>11} {'fill ms':>8} "
+          f"{'subarray ms':>11} {'numpy ms':>8} {'fill/sendrecv':>13} {'fill/subarray':>13}")
+
+
+def _row(c) -> str:
+    m = c["median_s"]
+    numpy_ms = f"{m['fill_numpy'] * 1e3:8.2f}" if "fill_numpy" in m else f"{'-':>8}"
+    return (f"{c['ndim']:>3}-D {c['axis']:>4} {c['face_bytes'] / 2**20:8.1f} "
+            f"{m['sendrecv'] * 1e3:11.3f} {m['fill'] * 1e3:8.3f} {m['subarray'] * 1e3:11.3f} "
+            f"{numpy_ms} {c['ratio_fill_to_sendrecv']:13.2f} {c['ratio_fill_to_subarray']:13.2f}")

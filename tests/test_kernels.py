@@ -1,0 +1,91 @@
+"""The pack kernels: C (kernels/pack.c) against numpy slicing, and the CUDA
+twin (kernels/pack.cu) compiled by nvcc."""
+import shutil
+import subprocess
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from domainpar.comm import packing
+
+ROOT = Path(__file__).resolve().parent.parent
+DTYPES = [np.uint8, np.float16, np.float32, np.float64, np.complex64, np.complex128,
+          np.int32, np.int64]
+BOXES = [  # (array shape, box) pairs: faces along every axis, several widths, corners
+    ((7, 9, 11), (slice(None), slice(None), slice(10, 11))),
+    ((7, 9, 11), (slice(None), slice(None), slice(1, 4))),
+    ((7, 9, 11), (slice(None), slice(3, 5), slice(None))),
+    ((7, 9, 11), (slice(0, 2), slice(None), slice(None))),
+    ((7, 9, 11), (slice(1, 3), slice(2, 4), slice(5, 11))),
+    ((5, 6), (slice(None), slice(2, 3))),
+    ((13,), (slice(4, 9),)),
+    ((3, 4, 5, 6), (slice(1, 2), slice(0, 4), slice(2, 3), slice(1, 5))),
+]
+
+
+def needs_native():
+    found, why = packing.native_library()
+    if not found:
+        pytest.fail(f"the C pack kernels were not built ({why}); `make kernels` builds them")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape,box", BOXES)
+def test_c_pack_unpack_match_numpy(dtype, shape, box):
+    needs_native()
+    rng = np.random.default_rng(0)
+    a = (rng.standard_normal(shape) * 50).astype(dtype)
+    view = a[box]
+    buf = np.empty(view.nbytes, np.uint8)
+    packing.pack(view, buf)
+    np.testing.assert_array_equal(buf.view(dtype).reshape(view.shape), view)
+    b = np.zeros_like(a)
+    packing.unpack(b[box], buf)
+    expected = np.zeros_like(a)
+    expected[box] = view
+    np.testing.assert_array_equal(b, expected)
+    c = a.copy()
+    packing.unpack(c[box], buf, add=True)
+    expected = a.copy()
+    expected[box] += view
+    np.testing.assert_array_equal(c, expected)
+
+
+def test_c_kernels_used_only_when_enabled(monkeypatch):
+    """The numpy fallback gives the same bytes (and is what runs without the build)."""
+    a = np.arange(7 * 9 * 11, dtype=np.float32).reshape(7, 9, 11)
+    view = a[:, :, 3:5]
+    native, fallback = np.empty(view.nbytes, np.uint8), np.empty(view.nbytes, np.uint8)
+    packing.pack(view, native)
+    monkeypatch.setattr(packing, "use_native", False)
+    packing.pack(view, fallback)
+    np.testing.assert_array_equal(native, fallback)
+
+
+def test_cuda_kernels_compile_with_nvcc(tmp_path):
+    nvcc = shutil.which("nvcc") or (shutil.which("nvcc", path="/usr/local/cuda/bin"))
+    if nvcc is None:
+        pytest.skip("needs nvcc (the CUDA toolkit) to compile kernels/pack.cu")
+    out = tmp_path / "pack.o"
+    proc = subprocess.run([nvcc, "-c", str(ROOT / "kernels" / "pack.cu"), "-o", str(out)],
+                          capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    symbols = subprocess.run(["nm", str(out)], capture_output=True, text=True).stdout
+    for name in ("dp_pack_4", "dp_unpack_8", "dp_unpack_add_f", "dp_unpack_add_d"):
+        assert name in symbols
+
+
+def test_cuda_pack_on_a_gpu():
+    cupy = pytest.importorskip("cupy", reason="needs CuPy and a GPU")
+    if cupy.cuda.runtime.getDeviceCount() == 0:
+        pytest.skip("needs a GPU")
+    a = cupy.arange(7 * 9 * 11, dtype=cupy.float32).reshape(7, 9, 11)
+    view = a[:, 2:4, 10:11]
+    buf = cupy.empty(view.nbytes, cupy.uint8)
+    packing.pack(view, buf)
+    assert packing._cuda_module() is not None, packing._cuda_state["why"]
+    cupy.testing.assert_array_equal(buf.view(cupy.float32).reshape(view.shape), view)
+    b = cupy.zeros_like(a)
+    packing.unpack(b[:, 2:4, 10:11], buf, add=True)
+    cupy.testing.assert_array_equal(b[:, 2:4, 10:11], view)
