@@ -1,0 +1,86 @@
+"""Runtime: init, abort on an uncaught exception, the capability report, the CLI."""
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+import domainpar as dp
+from domainpar.comm import runtime
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def mpiexec_env():
+    env = dict(os.environ, OMP_NUM_THREADS="1", OMPI_MCA_rmaps_base_oversubscribe="1",
+               PYTHONPATH=str(ROOT))
+    if os.geteuid() == 0:
+        env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
+    return env
+
+
+def test_init_is_idempotent_without_mpiexec():
+    comm = dp.init()
+    assert dp.init() is comm
+    grid = dp.ProcessGrid()
+    assert grid.size == comm.Get_size()
+
+
+def test_capability_report_names_every_item():
+    report = runtime.capabilities()
+    for key in ("mpi_library", "world_size", "cuda_aware_mpi", "cuda_aware_mpi_how", "cupy",
+                "h5py", "native_kernels"):
+        assert key in report
+    assert report["cuda_aware_mpi"] in ("yes", "no", "unknown")
+
+
+def test_cuda_aware_override(monkeypatch):
+    runtime.cuda_aware_mpi.cache_clear()
+    monkeypatch.setenv("DOMAINPAR_CUDA_AWARE", "1")
+    try:
+        assert runtime.cuda_aware_mpi() == (True, "forced by DOMAINPAR_CUDA_AWARE=1")
+    finally:
+        runtime.cuda_aware_mpi.cache_clear()
+
+
+def test_uncaught_exception_on_one_rank_aborts_the_job(tmp_path):
+    script = tmp_path / "boom.py"
+    script.write_text(textwrap.dedent("""
+        import domainpar as dp
+        comm = dp.init()
+        if comm.rank == 1:
+            raise RuntimeError("rank 1 fails alone")
+        comm.Barrier()  # rank 0 would wait here forever without the abort
+    """))
+    proc = subprocess.run(["mpiexec", "-n", "2", sys.executable, str(script)],
+                          env=mpiexec_env(), capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0
+    assert "rank 1 fails alone" in proc.stderr
+    assert "aborting the job" in proc.stderr
+
+
+def test_cli_info_json():
+    proc = subprocess.run([sys.executable, "-m", "domainpar.cli", "info", "--json"],
+                          env=mpiexec_env(), capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads(proc.stdout)
+    assert report["world_size"] == 1
+    assert "torch" in report
+
+
+def test_cli_bench_halo_relaunches_under_mpiexec(tmp_path):
+    """The benchmark runs end to end on tiny faces (no timing is asserted)."""
+    out = tmp_path / "halo.json"
+    proc = subprocess.run([sys.executable, "-m", "domainpar.cli", "bench", "halo", "-n", "2",
+                           "--faces", "0.0625", "--repeats", "2", "--out", str(out)],
+                          env=mpiexec_env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    report = json.loads(out.read_text())
+    assert report["ranks"] == 2
+    assert len(report["cases"]) == 5  # 2-D: 2 axes, 3-D: 3 axes
+    for case in report["cases"]:
+        assert case["face_bytes"] > 0
+        assert set(case["median_s"]) >= {"sendrecv", "fill", "subarray"}
