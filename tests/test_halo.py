@@ -6,12 +6,21 @@ import pytest
 from mpi4py import MPI
 
 import domainpar as dp
+from domainpar.comm import halo as halo_module
 from domainpar.testing import adjoint_error
 from layouts import global_array, random_layout, reference_fill
 
 pytestmark = pytest.mark.mpi
 COMM = MPI.COMM_WORLD
 CASES = [(grid_ndim, seed) for grid_ndim in (1, 2, 3, 4) for seed in range(25)]
+
+
+@pytest.fixture(params=["datatype", "pack"])
+def wire_mode(request, monkeypatch):
+    """Run a test with strided boxes sent as MPI datatypes, then as packed buffers."""
+    threshold = 1 if request.param == "datatype" else 2**62
+    monkeypatch.setattr(halo_module, "DATATYPE_MIN_ROW_BYTES", threshold)
+    return request.param
 
 
 def padded_with_block(halo, glob, rng_seed, dtype):
@@ -24,7 +33,7 @@ def padded_with_block(halo, glob, rng_seed, dtype):
 
 
 @pytest.mark.parametrize("grid_ndim,seed", CASES)
-def test_fill_equals_slicing_the_global_array(grid_ndim, seed):
+def test_fill_equals_slicing_the_global_array(grid_ndim, seed, wire_mode):
     _, dec, width = random_layout(seed, COMM, grid_ndim)
     halo = dp.HaloExchange(dec, width)
     glob = global_array(dec.global_shape, seed)
@@ -35,7 +44,7 @@ def test_fill_equals_slicing_the_global_array(grid_ndim, seed):
 
 
 @pytest.mark.parametrize("grid_ndim,seed", CASES)
-def test_accumulate_is_the_adjoint_of_fill(grid_ndim, seed):
+def test_accumulate_is_the_adjoint_of_fill(grid_ndim, seed, wire_mode):
     _, dec, width = random_layout(seed, COMM, grid_ndim)
     halo = dp.HaloExchange(dec, width)
     rng = np.random.default_rng(seed + 7919 * COMM.Get_rank())
@@ -48,7 +57,7 @@ def test_accumulate_is_the_adjoint_of_fill(grid_ndim, seed):
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64, np.complex64, np.complex128,
                                    np.int32, np.int64, np.float16, np.uint8])
-def test_dtypes_and_torch_tensors(dtype):
+def test_dtypes_and_torch_tensors(dtype, wire_mode):
     torch = pytest.importorskip("torch")
     grid = dp.ProcessGrid((0, 0), periodic=(True, False))
     dec = dp.Decomposition((7, 5, 6), grid, shard={1: 0, 2: 1})
@@ -72,7 +81,7 @@ def test_dtypes_and_torch_tensors(dtype):
         assert err < (1e-5 if np.dtype(dtype).itemsize <= 8 and dtype != np.float64 else 1e-13)
 
 
-def test_non_contiguous_arrays_and_plan_reuse():
+def test_non_contiguous_arrays_and_plan_reuse(wire_mode):
     grid = dp.ProcessGrid((0,), periodic=True)
     dec = dp.Decomposition((4, 11, 6), grid, shard={1: 0})
     halo = dp.HaloExchange(dec, {1: 2, 2: 1})
