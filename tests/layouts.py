@@ -79,3 +79,41 @@ def reference_fill(glob, halo, padded):
         picked = glob[np.ix_(*[np.where(v, i, 0) for v, i in zip(valid, index)])]
         out[mask] = picked[mask]
     return out
+
+
+def grid_dims_cases(size, max_ndim=3):
+    """Grid dims covering ``size`` processes: ``MPI.Compute_dims`` for 1- to
+    ``max_ndim``-D grids plus their distinct permutations (e.g. (2, 1) and (1, 2)),
+    the same list on every rank."""
+    import itertools
+    out = []
+    for ndim in range(1, max_ndim + 1):
+        for dims in itertools.permutations(MPI.Compute_dims(size, ndim)):
+            if dims not in out:
+                out.append(tuple(int(d) for d in dims))
+    return out
+
+
+def random_decomposition(rng, grid, shape, replicate=True, zeros=True):
+    """A Decomposition of ``shape`` on ``grid`` drawn from ``rng`` (all ranks must
+    draw alike): a random shard map, some grid axes left replicated when
+    ``replicate`` (otherwise every grid axis cuts a tensor dim, which needs
+    ``len(shape) >= grid.ndim``), and per dim either balanced or random sizes
+    (with zero-size blocks when ``zeros``)."""
+    ndim = len(shape)
+    if replicate:
+        n_axes = int(rng.integers(0, min(grid.ndim, ndim) + 1))
+    else:
+        if ndim < grid.ndim:
+            raise ValueError(f"a {ndim}-D shape cannot shard every axis of a {grid.ndim}-D grid")
+        n_axes = grid.ndim
+    axes = rng.permutation(grid.ndim)[:n_axes]
+    tdims = rng.permutation(ndim)[:n_axes]
+    shard = {int(d): int(a) for d, a in zip(tdims, axes)}
+    sizes = {}
+    for d, a in shard.items():
+        if rng.random() < 0.6:
+            s = random_sizes(rng, shape[d], grid.dims[a], zeros=zeros)
+            if s is not None:
+                sizes[d] = s
+    return dp.Decomposition(shape, grid, shard=shard, sizes=sizes)

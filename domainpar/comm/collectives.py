@@ -82,8 +82,9 @@ def _shift(box, origin):
     return tuple(slice(s.start - o, s.stop - o) for s, o in zip(box, origin))
 
 
-def _check_block(op, dec, arr_or_exc, problem=None):
-    """Collective: every rank's block must match its local shape and all dtypes agree."""
+def _check_block(op, dec, arr_or_exc, problem=None, root=None):
+    """Collective: every rank's block must match its local shape and all dtypes
+    (and ``root``, when given) agree."""
     dtype = "?"
     if isinstance(arr_or_exc, Exception):
         problem = f"{op}: {arr_or_exc}"
@@ -92,8 +93,20 @@ def _check_block(op, dec, arr_or_exc, problem=None):
         if tuple(arr_or_exc.shape) != dec.local_shape():
             problem = (f"{op}: block shape {tuple(arr_or_exc.shape)} does not match the "
                        f"decomposition's local shape {dec.local_shape()}")
-    agree(dec.grid.comm, problem, signature=signature_of(dtype),
-          what=f"{op} dtypes", described=dtype)
+    if root is None:
+        what, described = f"{op} dtypes", dtype
+    else:
+        problem = problem or _root_problem(op, root, dec.grid.size)
+        what, described = f"{op} dtypes or roots", f"dtype={dtype} root={root}"
+    agree(dec.grid.comm, problem, signature=signature_of(dtype, str(root)), what=what,
+          described=described)
+
+
+def _root_problem(op, root, size):
+    if isinstance(root, (bool, np.bool_)) or not isinstance(root, (int, np.integer)) \
+            or not 0 <= root < size:
+        return f"{op}: root {root!r} is not a rank of the grid's {size} processes"
+    return None
 
 
 def _as_array_or_error(a):
@@ -169,7 +182,7 @@ def gatherv(block, dec: Decomposition, root: int = 0):
     """Collective. The global array on ``root`` (None elsewhere), from the
     blocks of the ranks at coordinate 0 of every replicated axis."""
     arr = _as_array_or_error(block)
-    _check_block("gatherv", dec, arr)
+    _check_block("gatherv", dec, arr, root=root)
     grid = dec.grid
     senders = [r for r in range(grid.size)
                if all(grid.coords_of(r)[a] == 0 for a in dec.replicated_axes)]
@@ -193,8 +206,8 @@ def scatterv(global_array, dec: Decomposition, root: int = 0):
     """Collective. Every rank's block of ``global_array``, which only ``root``
     needs to pass (others pass None). Returns a new numpy or CuPy array."""
     grid = dec.grid
-    problem, meta = None, None
-    if grid.rank == root:
+    problem, meta = _root_problem("scatterv", root, grid.size), None
+    if problem is None and grid.rank == root:
         arr = _as_array_or_error(global_array)
         if isinstance(arr, Exception):
             problem = f"scatterv: {arr}"
@@ -203,7 +216,8 @@ def scatterv(global_array, dec: Decomposition, root: int = 0):
                        f"decomposition's global shape is {dec.global_shape}")
         else:
             meta = (arr.dtype.str, buffers.is_device(arr))
-    agree(grid.comm, problem, what="scatterv arguments")
+    agree(grid.comm, problem, signature=signature_of(str(root)), what="scatterv roots",
+          described=f"root={root!r}")
     dtype_str, on_device = grid.comm.bcast(meta, root=root)
     dtype = np.dtype(dtype_str)
     itemsize = dtype.itemsize

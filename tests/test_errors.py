@@ -1,0 +1,314 @@
+"""Bad input: a clear error, raised on EVERY rank alike, within seconds.
+
+Each case runs the bad call on every rank, catches whatever it raises, and
+then (one allgather, reached even by a rank that raised nothing) checks that
+every rank raised exactly the expected type with the same message naming the
+problem. A rank that raised alone would leave the others waiting in a
+collective; pytest-timeout turns that hang into a failure.
+
+Cases where something "differs across ranks" need two ranks; at one rank they
+check the single-rank error path instead (and that consistent input passes).
+"""
+import numpy as np
+import pytest
+from mpi4py import MPI
+
+import domainpar as dp
+from domainpar import LayoutError, MismatchError
+from domainpar.comm import allgatherv, allreduce, gatherv, repartition, scatterv
+
+pytestmark = [pytest.mark.mpi, pytest.mark.timeout(60)]
+COMM = MPI.COMM_WORLD
+SIZE, RANK = COMM.Get_size(), COMM.Get_rank()
+LAST = SIZE - 1
+ODD = RANK == LAST  # the one rank that passes something different
+
+
+def expect_everywhere(exc_type, patterns, call):
+    """``call()`` raises exactly ``exc_type`` on every rank, with one and the
+    same message there, containing every string in ``patterns``."""
+    try:
+        call()
+        got = None
+    except Exception as exc:  # noqa: BLE001 - every kind is reported below
+        got = exc
+    stories = COMM.allgather((type(got).__name__, str(got)))
+    kinds = {s[0] for s in stories}
+    assert kinds == {exc_type.__name__}, f"ranks raised {stories}, expected {exc_type.__name__}"
+    assert type(got) is exc_type
+    assert len({s[1] for s in stories}) == 1, f"messages differ between ranks: {stories}"
+    for p in [patterns] if isinstance(patterns, str) else patterns:
+        assert p in str(got), f"{p!r} not in {str(got)!r}"
+    return got
+
+
+def grid2():
+    return dp.ProcessGrid((0, 0))
+
+
+# -- Decomposition ----------------------------------------------------------------------------
+def test_global_shapes_differ_across_ranks():
+    grid = grid2()
+    if SIZE > 1:
+        shape = (8, 5) if ODD else (8, 4)
+        expect_everywhere(MismatchError, ["Decomposition global shapes", "differ between ranks",
+                                          "(8, 4)", "(8, 5)"],
+                          lambda: dp.Decomposition(shape, grid, shard={0: 0}))
+    else:  # a world of one always agrees with itself; its own bad shape is an error
+        dp.Decomposition((8, 4), grid, shard={0: 0})
+        expect_everywhere(LayoutError, ["(8, -4)", "negative size"],
+                          lambda: dp.Decomposition((8, -4), grid, shard={0: 0}))
+
+
+def test_shard_maps_or_sizes_differ_across_ranks():
+    grid = grid2()
+    p = grid.dims[0]
+    if SIZE > 1:
+        shard = {1: 0} if ODD else {0: 0}
+        expect_everywhere(MismatchError, ["differ between ranks", "shard={1: 0}", "shard={0: 0}"],
+                          lambda: dp.Decomposition((6, 6), grid, shard=shard))
+    if p > 1:
+        sizes = [6] + [0] * (p - 1) if ODD else [0] * (p - 1) + [6]
+        expect_everywhere(MismatchError, ["differ between ranks", "sizes="],
+                          lambda: dp.Decomposition((6, 6), grid, shard={0: 0}, sizes={0: sizes}))
+    else:
+        sizes = [7] if ODD else [6]
+        expect_everywhere(LayoutError, [f"rank {LAST}:", "sum to its global size 6"],
+                          lambda: dp.Decomposition((6, 6), grid, shard={0: 0}, sizes={0: sizes}))
+
+
+@pytest.mark.parametrize("everywhere", [True, False], ids=["everywhere", "one-rank"])
+@pytest.mark.parametrize("shard,pattern", [
+    ({2: 0}, "shard names tensor dim 2, but the tensor has 2 dims"),
+    ({-3: 0}, "shard names tensor dim -3"),
+    ({0: 2}, "shard maps dim 0 to grid axis 2, but the grid has 2 axes"),
+    ({1: -3}, "grid axis -3"),
+    ({0: 0, 1: 0}, "two tensor dims to grid axis 0"),
+])
+def test_shard_map_naming_a_missing_dim_or_axis(shard, pattern, everywhere):
+    grid = grid2()
+    given = shard if everywhere or ODD else {0: 0}
+    err = expect_everywhere(LayoutError, [pattern, f"rank {LAST}:"],
+                            lambda: dp.Decomposition((6, 5), grid, shard=given))
+    if not everywhere and SIZE > 1:
+        assert "rank 0:" not in str(err)  # only the rank at fault is named
+
+
+@pytest.mark.parametrize("sizes,pattern", [
+    ("short", "sum to its global size 9"),
+    ("long", "sum to its global size 9"),
+    ("negative", "must be >= 0"),
+    ("count", "entries, but grid axis 0 has"),
+    ("unsharded", "sizes given for dim 1, which is not sharded"),
+])
+def test_sizes_that_do_not_fit(sizes, pattern):
+    grid = dp.ProcessGrid()
+    balanced = list(dp.comm.balanced_sizes(9, SIZE))
+    bad = {"short": {0: [b - (c == 0) for c, b in enumerate(balanced)]},
+           "long": {0: [b + (c == LAST) for c, b in enumerate(balanced)]},
+           "negative": {0: [-1] + [0] * (SIZE - 2) + [10] if SIZE > 1 else [-1]},
+           "count": {0: balanced + [0]},
+           "unsharded": {1: [3]}}[sizes]
+    expect_everywhere(LayoutError, pattern,
+                      lambda: dp.Decomposition((9, 3), grid, shard={0: 0}, sizes=bad))
+    # wrong on one rank only: the same error everywhere, naming that rank
+    given = bad if ODD else {0: balanced}
+    expect_everywhere(LayoutError, [pattern, f"rank {LAST}:"],
+                      lambda: dp.Decomposition((9, 3), grid, shard={0: 0}, sizes=given))
+
+
+# -- ProcessGrid ------------------------------------------------------------------------------
+@pytest.mark.parametrize("dims,pattern", [
+    ((SIZE + 1,), f"hold {SIZE + 1} processes but the communicator has {SIZE}"),
+    ((SIZE, 2), f"hold {2 * SIZE} processes but the communicator has {SIZE}"),
+    ((0, SIZE + 1), f"which does not divide the communicator size {SIZE}"),
+    ((SIZE, -1), "must not be negative"),
+    (("x",), "invalid literal"),
+])
+def test_grid_dims_that_do_not_cover_the_world(dims, pattern):
+    expect_everywhere(LayoutError, [f"rank {LAST}:", pattern], lambda: dp.ProcessGrid(dims))
+
+
+def test_grid_periodic_of_the_wrong_length_and_dims_that_differ():
+    expect_everywhere(LayoutError, "periodic has 3 entries for a 2-D grid",
+                      lambda: dp.ProcessGrid((SIZE, 1), periodic=(True, False, True)))
+    if SIZE > 1:
+        dims = (1, SIZE) if ODD else (SIZE, 1)
+        expect_everywhere(MismatchError, ["ProcessGrid dims and periodic differ between ranks",
+                                          f"dims=(1, {SIZE})", f"dims=({SIZE}, 1)"],
+                          lambda: dp.ProcessGrid(dims))
+        periodic = ODD
+        expect_everywhere(MismatchError, ["differ between ranks", "periodic=(True,)"],
+                          lambda: dp.ProcessGrid(None, periodic=periodic))
+    else:
+        expect_everywhere(LayoutError, "hold 2 processes", lambda: dp.ProcessGrid((1, 2)))
+
+
+# -- HaloExchange -----------------------------------------------------------------------------
+def halo_setup():
+    grid = grid2()
+    dec = dp.Decomposition((7, 6), grid, shard={0: 0, 1: 1})
+    return dec, dp.HaloExchange(dec, {0: 1, 1: (2, 1)})
+
+
+@pytest.mark.parametrize("op", ["fill", "accumulate"])
+def test_halo_array_shape_wrong_on_one_rank(op):
+    _, halo = halo_setup()
+    shape = list(halo.padded_shape)
+    if ODD:
+        shape[1] += 1
+    a = np.zeros(shape)
+    err = expect_everywhere(LayoutError, [f"rank {LAST}: HaloExchange.{op}: array shape",
+                                          "does not match block"],
+                            lambda: getattr(halo, op)(a))
+    if SIZE > 1:
+        assert "rank 0:" not in str(err)
+
+
+@pytest.mark.parametrize("op", ["fill", "accumulate"])
+def test_halo_dtypes_differ_across_ranks(op):
+    _, halo = halo_setup()
+    if SIZE > 1:
+        a = np.zeros(halo.padded_shape, np.float32 if ODD else np.float64)
+        expect_everywhere(MismatchError, [f"HaloExchange.{op} array dtypes differ between ranks",
+                                          "float32", "float64"],
+                          lambda: getattr(halo, op)(a))
+    else:  # one rank: a dtype is only wrong when it cannot travel at all
+        expect_everywhere(LayoutError, [f"HaloExchange.{op}", "cannot communicate a builtins.list"],
+                          lambda: getattr(halo, op)(np.zeros(halo.padded_shape).tolist()))
+
+
+@pytest.mark.parametrize("width,pattern", [
+    ({0: -1}, "width -1 for dim 0 must not be negative"),
+    ({1: (1, -2)}, "width (1, -2) for dim 1 must not be negative"),
+    ({2: 1}, "width names dim 2, but the array has 2 dims"),
+    (1, "width must be a dict"),
+])
+def test_bad_halo_widths(width, pattern):
+    dec, _ = halo_setup()
+    expect_everywhere(LayoutError, pattern, lambda: dp.HaloExchange(dec, width))
+    given = width if ODD else {0: 1}
+    expect_everywhere(LayoutError, [f"rank {LAST}:", pattern],
+                      lambda: dp.HaloExchange(dec, given))
+    if SIZE > 1 and isinstance(width, dict):
+        w = {0: 2} if ODD else {0: 1}
+        expect_everywhere(MismatchError, "HaloExchange widths differ between ranks",
+                          lambda: dp.HaloExchange(dec, w))
+
+
+# -- collectives ------------------------------------------------------------------------------
+def block_of(dec, dtype=np.float64, extra=0):
+    shape = list(dec.local_shape())
+    shape[-1] += extra
+    return np.zeros(shape, dtype)
+
+
+COLLECTIVE_CALLS = {
+    "allgatherv": lambda a, src, dst: allgatherv(a, src),
+    "gatherv": lambda a, src, dst: gatherv(a, src, root=LAST),
+    "repartition": lambda a, src, dst: repartition(a, src, dst),
+}
+
+
+def layouts():
+    grid = grid2()
+    src = dp.Decomposition((5, 7), grid, shard={0: 0, 1: 1})
+    dst = dp.Decomposition((5, 7), grid, shard={1: 0})
+    return src, dst
+
+
+@pytest.mark.parametrize("name", sorted(COLLECTIVE_CALLS))
+def test_collective_dtypes_differ_across_ranks(name):
+    src, dst = layouts()
+    call = COLLECTIVE_CALLS[name]
+    if SIZE > 1:
+        a = block_of(src, np.complex64 if ODD else np.float64)
+        expect_everywhere(MismatchError, [f"{name} dtypes", "differ between ranks", "complex64",
+                                          "float64"], lambda: call(a, src, dst))
+    else:
+        expect_everywhere(LayoutError, [f"{name}: domainpar cannot communicate a builtins.list"],
+                          lambda: call(block_of(src).tolist(), src, dst))
+
+
+@pytest.mark.parametrize("name", sorted(COLLECTIVE_CALLS))
+def test_collective_block_shape_wrong_on_one_rank(name):
+    src, dst = layouts()
+    a = block_of(src, extra=1 if ODD else 0)
+    expect_everywhere(LayoutError, [f"rank {LAST}: {name}: block shape",
+                                    f"local shape {src.local_shape(LAST)}"],
+                      lambda: COLLECTIVE_CALLS[name](a, src, dst))
+
+
+def test_repartition_between_different_global_shapes_or_grids():
+    src, _ = layouts()
+    other = dp.Decomposition((5, 8), src.grid, shard={1: 0})
+    expect_everywhere(LayoutError, "repartition: global shapes differ ((5, 7) -> (5, 8))",
+                      lambda: repartition(block_of(src), src, other))
+    elsewhere = dp.Decomposition((5, 7), grid2(), shard={1: 0})
+    expect_everywhere(LayoutError, "on different grids",
+                      lambda: repartition(block_of(src), src, elsewhere))
+
+
+@pytest.mark.parametrize("root", sorted({0, LAST}))
+def test_scatterv_root_array_with_the_wrong_shape(root):
+    src, _ = layouts()
+    wrong = np.zeros((5, 8)) if RANK == root else None
+    expect_everywhere(LayoutError, [f"rank {root}: scatterv: the root's array has shape (5, 8)",
+                                    "global shape is (5, 7)"],
+                      lambda: scatterv(wrong, src, root=root))
+    not_an_array = [[0.0] * 7] * 5 if RANK == root else None
+    expect_everywhere(LayoutError, [f"rank {root}: scatterv", "cannot communicate"],
+                      lambda: scatterv(not_an_array, src, root=root))
+    # and the communicator is still fine afterwards: a good scatter works
+    good = np.arange(35.0).reshape(5, 7) if RANK == root else None
+    np.testing.assert_array_equal(scatterv(good, src, root=root),
+                                  np.arange(35.0).reshape(5, 7)[src.local_slices()])
+
+
+@pytest.mark.parametrize("op", ["scatterv", "gatherv"])
+def test_bad_or_differing_roots(op):
+    src, _ = layouts()
+
+    def call(root):
+        if op == "scatterv":
+            return scatterv(np.zeros((5, 7)) if RANK == root else None, src, root=root)
+        return gatherv(block_of(src), src, root=root)
+
+    for bad in (SIZE, -1, 0.5):
+        expect_everywhere(LayoutError, f"root {bad!r} is not a rank of the grid's {SIZE} processes",
+                          lambda: call(bad))
+    if SIZE > 1:
+        root = 1 if ODD else 0
+        expect_everywhere(MismatchError, [f"{op} ", "differ between ranks", "root=0", "root=1"],
+                          lambda: call(root))
+    else:
+        call(np.int64(0))  # a numpy integer is a root as good as any
+
+
+def test_allreduce_errors():
+    a = np.ones(3)
+    expect_everywhere(LayoutError, "allreduce: op 'avg' is not one of", lambda: allreduce(a, COMM, "avg"))
+    expect_everywhere(LayoutError, "MPI has no arithmetic type for dtype object",
+                      lambda: allreduce(np.array([1, None], dtype=object), COMM))
+    if SIZE > 1:
+        b = np.ones(4 if ODD else 3)
+        expect_everywhere(MismatchError, ["allreduce shapes or dtypes differ between ranks",
+                                          "float64(3,)", "float64(4,)"],
+                          lambda: allreduce(b, COMM))
+        c = np.ones(3, np.float32 if ODD else np.float64)
+        expect_everywhere(MismatchError, ["float32(3,)"], lambda: allreduce(c, COMM))
+    else:
+        expect_everywhere(LayoutError, "cannot communicate", lambda: allreduce([1.0], COMM))
+    # nothing was changed by a refused call, and a good one still works
+    assert a.tolist() == [1.0] * 3
+    assert allreduce(a, COMM).tolist() == [float(SIZE)] * 3
+
+
+def test_error_on_one_rank_does_not_desynchronise_the_next_collective():
+    """After many refused calls the ranks are still in step."""
+    src, dst = layouts()
+    for _ in range(5):
+        a = block_of(src, extra=1 if ODD else 0)
+        expect_everywhere(LayoutError, "block shape", lambda: allgatherv(a, src))
+    glob = np.arange(35.0).reshape(5, 7)
+    np.testing.assert_array_equal(allgatherv(glob[src.local_slices()], src), glob)
