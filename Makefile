@@ -1,0 +1,258 @@
+# domainpar developer entry points: `make test`, `make demo`, `make setup`.
+#
+# Every target sets up what it needs by itself and is idempotent. Finished
+# setup steps leave stamp files in .venv/.stamps, so a rerun on a machine that
+# is already set up costs well under a second before the real work; deleting
+# .venv (or `make distclean`) starts over. The parallel h5py wheel, the one
+# slow step, is cached outside the clone (H5PY_WHEEL_CACHE) and reused by
+# every later clone or venv on this machine.
+#
+# Knobs (make VAR=value or environment):
+#   PYTHON=python3           interpreter that creates .venv
+#   NP_LIST="1 2 3 4"        MPI sizes the test stages run with
+#   PYTEST_ARGS=...          extra pytest args for every stage (e.g. -x, -k halo)
+#   TEST_TIMEOUT=120         per-test timeout in seconds
+#   TEST_TOTAL_TIMEOUT=1800  last-resort limit for one MPI stage, in seconds
+#   FAIL_FAST=1              stop `make test` after the first failing stage
+#   HDF5_DIR=...             parallel HDF5 prefix to build h5py against
+#   MPIEXEC=mpiexec          launcher for the demo and the MPI test stages
+#   ALLOW_CUDA_TORCH=1       permit a torch install that pulls CUDA wheels
+
+# One bash per recipe with strict error handling: recipes read like scripts
+# and any failing command fails the target.
+SHELL := bash
+.SHELLFLAGS := -euo pipefail -c
+.ONESHELL:
+.DELETE_ON_ERROR:
+MAKEFLAGS += --no-builtin-rules
+.DEFAULT_GOAL := help
+
+# Taken when make starts, so `make test` can report its own setup overhead.
+T0_MS := $(shell date +%s%3N)
+
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMPS := $(VENV)/.stamps
+# Every pip install goes through the constraints: that is what keeps torch at
+# the local CPU build and the whole environment reproducible.
+PIP_INSTALL := $(PY) -m pip install -c constraints.txt
+
+APT_PACKAGES := openmpi-bin libopenmpi-dev gfortran libhdf5-openmpi-dev cmake
+# Keep in sync with the `test` extra in pyproject.toml. Installed explicitly
+# because the package itself is installed with --no-deps (see the pkg stamp).
+TEST_REQUIREMENTS := pytest pytest-mpi pytest-timeout hypothesis
+
+H5PY_VERSION := $(shell sed -n 's/^h5py==\([^ #]*\).*/\1/p' constraints.txt)
+H5PY_WHEEL_CACHE ?= $(or $(XDG_CACHE_HOME),$(HOME)/.cache)/domainpar/wheels
+# Debian's parallel HDF5 prefix (has include/ and lib/), looked up only when
+# h5py is built, i.e. after the apt step has run.
+HDF5_DIR ?= $(shell dpkg -L libhdf5-openmpi-dev 2>/dev/null | grep -m1 -E '^/usr/lib/[^/]+/hdf5/openmpi$$')
+MPICC ?= mpicc
+JOBS ?= $(shell nproc 2>/dev/null || echo 2)
+ALLOW_CUDA_TORCH ?= 0
+
+MPIEXEC ?= mpiexec
+NP_LIST ?= 1 2 3 4
+PYTEST_ARGS ?=
+TEST_TIMEOUT ?= 120
+TEST_TOTAL_TIMEOUT ?= 1800
+FAIL_FAST ?=
+# Test and demo processes: one OpenMP thread per rank, since the MPI stages
+# oversubscribe the cores (the caller's own setting wins).
+export OMP_NUM_THREADS ?= 1
+export DOMAINPAR_TEST_TIMEOUT := $(TEST_TIMEOUT)
+export DOMAINPAR_TEST_TOTAL_TIMEOUT := $(TEST_TOTAL_TIMEOUT)
+export MPIEXEC
+# For the demo's mpiexec: same settings tests/run_mpi.py gives its jobs
+# (containers run as root; 4 ranks on fewer cores). Keep the two in sync.
+MPI_RUN_ENV := OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 \
+	OMPI_MCA_rmaps_base_oversubscribe=1
+
+.PHONY: help setup sysdeps kernels test demo clean distclean FORCE
+
+help:
+	@echo "make demo       set up, then run 'domainpar info' and examples/halo_demo.py on 4 ranks"
+	echo "make test       set up, then serial tests and MPI tests on $(NP_LIST) ranks"
+	echo "make setup      only the setup: apt packages, .venv, parallel h5py, package, kernels"
+	echo "make kernels    (re)build the native kernels with CMake when their sources changed"
+	echo "make clean      remove build/ and domainpar/_native/ (keeps .venv)"
+	echo "make distclean  also remove .venv (the h5py wheel cache in $(H5PY_WHEEL_CACHE) stays)"
+
+setup: sysdeps $(STAMPS)/pkg kernels
+
+# Checked on every run instead of stamped: dpkg-query takes milliseconds and
+# notices packages removed since. apt only runs when something is missing.
+sysdeps:
+	@if ! command -v dpkg-query >/dev/null; then
+		echo "sysdeps: no dpkg here; skipping apt. Provide MPI, parallel HDF5 (set HDF5_DIR), cmake, gfortran yourself."
+		exit 0
+	fi
+	missing=
+	for p in $(APT_PACKAGES); do
+		dpkg-query -W -f='$${Status}\n' "$$p" 2>/dev/null | grep -q ' installed$$' || missing="$$missing $$p"
+	done
+	[ -z "$$missing" ] && exit 0
+	echo "==> apt-get install$$missing"
+	sudo=; [ "$$(id -u)" -eq 0 ] || sudo=sudo
+	$$sudo env DEBIAN_FRONTEND=noninteractive apt-get update -q
+	$$sudo env DEBIAN_FRONTEND=noninteractive apt-get install -y -q $$missing
+
+# Order-only on sysdeps: apt must have run first, but a phony prerequisite
+# must not make the stamps look stale on every run.
+$(STAMPS)/venv: | sysdeps
+	@if [ ! -x $(PY) ]; then
+		echo "==> creating $(VENV) with $(PYTHON)"
+		$(PYTHON) -m venv $(VENV)
+	fi
+	mkdir -p $(STAMPS)
+	touch $@
+
+# torch, numpy, the mpi4py binary wheel and the tools the h5py build needs.
+# mpi4py is never compiled here: its wheel finds the system Open MPI at run time.
+$(STAMPS)/base: constraints.txt $(STAMPS)/venv
+	@echo "==> installing torch, numpy, mpi4py and build tools into $(VENV)"
+	if [ "$(ALLOW_CUDA_TORCH)" != 1 ]; then
+		# Resolve first without installing: if torch would come from PyPI with
+		# its CUDA wheels (gigabytes), stop before downloading anything big.
+		$(PIP_INSTALL) --dry-run --quiet --report $(STAMPS)/torch-plan.json torch
+		$(PY) -c 'import json, sys; \
+			names = [i["metadata"]["name"] for i in json.load(open(sys.argv[1]))["install"]]; \
+			bad = [n for n in names if n.lower().startswith(("nvidia-", "triton"))]; \
+			bad and sys.exit("refusing to install a CUDA build of torch (it would pull " + ", ".join(bad) \
+			+ "). Put the torch +cpu wheel on pip find-links, or set ALLOW_CUDA_TORCH=1.")' \
+			$(STAMPS)/torch-plan.json
+	fi
+	$(PIP_INSTALL) --only-binary mpi4py torch numpy mpi4py setuptools cython pkgconfig packaging
+	$(PY) -c 'from mpi4py import MPI; print("mpi4py uses", MPI.Get_library_version().splitlines()[0].strip())'
+	touch $@
+
+# h5py against parallel HDF5, built once per machine and cached as a wheel.
+# --no-build-isolation: an isolated build would compile mpi4py from source
+# (20+ minutes, ~20 GB of memory); the venv already has everything it needs.
+# The cache key covers what the binary depends on: HDF5 build and location,
+# mpi4py version; the Python tag is part of the wheel's file name.
+$(STAMPS)/h5py: constraints.txt $(STAMPS)/base
+	@hdf5_dir='$(HDF5_DIR)'
+	if [ -z "$$hdf5_dir" ] || [ ! -d "$$hdf5_dir" ]; then
+		echo "h5py: no parallel HDF5 found; set HDF5_DIR to its prefix (with include/ and lib/)" >&2
+		exit 1
+	fi
+	hdf5_ver=$$(dpkg-query -W -f='$${Version}' libhdf5-openmpi-dev 2>/dev/null || echo custom)
+	mpi4py_ver=$$($(PY) -c 'import mpi4py; print(mpi4py.__version__)')
+	pytag=$$($(PY) -c 'import sys; print("cp%d%d" % sys.version_info[:2])')
+	key=hdf5-$${hdf5_ver//[^A-Za-z0-9.]/_}_mpi4py-$${mpi4py_ver}_$$(printf %s "$$hdf5_dir" | md5sum | cut -c1-8)
+	dir=$(H5PY_WHEEL_CACHE)/$$key
+	whl=$$(ls "$$dir"/h5py-$(H5PY_VERSION)-$$pytag-*.whl 2>/dev/null | head -n1 || true)
+	if [ -z "$$whl" ]; then
+		echo "==> building h5py $(H5PY_VERSION) against parallel HDF5 in $$hdf5_dir (a few minutes, once per machine)"
+		tmp=$$(mktemp -d)
+		# --no-cache-dir: pip would otherwise reuse any h5py wheel it built
+		# earlier from the same sdist, whatever HDF5 it was built against.
+		env CC=$(MPICC) HDF5_MPI=ON HDF5_DIR="$$hdf5_dir" \
+			$(PY) -m pip wheel -c constraints.txt --no-cache-dir --no-build-isolation \
+			--no-binary h5py --no-deps -w "$$tmp" h5py==$(H5PY_VERSION)
+		mkdir -p "$$dir"
+		# Move into place last, so an interrupted build never leaves a wheel
+		# that a later setup would trust.
+		mv "$$tmp"/h5py-*.whl "$$dir"/
+		rm -rf "$$tmp"
+		whl=$$(ls "$$dir"/h5py-$(H5PY_VERSION)-$$pytag-*.whl | head -n1)
+	else
+		echo "==> installing cached parallel h5py wheel $$whl"
+	fi
+	# --force-reinstall: a serial h5py of the same version may already be there.
+	$(PIP_INSTALL) --force-reinstall --no-deps "$$whl"
+	$(PY) -c 'import h5py; assert h5py.get_config().mpi, "h5py was built without MPI"'
+	touch $@
+
+# The package itself, editable and without dependency resolution, so that pip
+# never tries to resolve torch on its own. Reinstalled when the metadata
+# changes or once domainpar/__init__.py first appears.
+$(STAMPS)/pkg: pyproject.toml setup.py $(wildcard domainpar/__init__.py) $(STAMPS)/h5py
+	@echo "==> installing domainpar (editable) and the test tools"
+	$(PIP_INSTALL) --no-build-isolation --no-deps -e .
+	$(PIP_INSTALL) $(TEST_REQUIREMENTS)
+	touch $@
+
+# Native kernels. The stamp lives in build/ next to what it stands for, so
+# deleting build/ rebuilds. cmake's own incremental build does the fine work;
+# the stamp only saves starting cmake when no source changed.
+ifneq ($(wildcard CMakeLists.txt),)
+kernels: build/.stamp-kernels
+
+# Also rebuild when the libraries in domainpar/_native/ were deleted by hand.
+build/.stamp-kernels: CMakeLists.txt $(wildcard kernels/* kernels/*/*) \
+		$(if $(wildcard domainpar/_native/*),,FORCE) | $(STAMPS)/pkg
+	@echo "==> building native kernels"
+	# Point CMake at the venv's Python in case the project looks one up.
+	cmake -S . -B build -DCMAKE_BUILD_TYPE=Release --no-warn-unused-cli \
+		-DPython_EXECUTABLE=$(abspath $(PY)) -DPython3_EXECUTABLE=$(abspath $(PY))
+	cmake --build build -j$(JOBS)
+	touch $@
+else
+kernels:
+	@echo "kernels: no CMakeLists.txt yet; skipping the native build"
+endif
+
+FORCE:
+
+# Serial tests, then the MPI tests once per size in NP_LIST. All stages run
+# (unless FAIL_FAST=1) so one CI log shows every failure; each stage's console
+# output is also kept in build/test-logs/<stage>.out, and the logs of ranks
+# 1..N-1 in build/test-logs/n<N>/ (see tests/run_mpi.py).
+# Exit code 5 (nothing collected) is fine for a single stage, e.g. no test
+# needs MPI yet, but a run in which no stage collected anything fails.
+# The serial stage uses pytest-timeout's default signal method, which fails
+# just the hung test and carries on; the MPI stages need the thread method.
+test: setup
+	@set +e
+	t_setup=$$(( $$(date +%s%3N) - $(T0_MS) ))
+	[ -t 1 ] && color=yes || color=no
+	logs=build/test-logs
+	mkdir -p $$logs
+	summary=()
+	failed=0
+	empty=0
+	total=0
+	stage() {
+		local name=$$1; shift
+		echo; echo "=== $$name: $$*"
+		local t=$$(date +%s%3N)
+		"$$@" 2>&1 | tee $$logs/$$name.out
+		local rc=$$?
+		local ms=$$(( $$(date +%s%3N) - t ))
+		local status=ok
+		total=$$((total + 1))
+		if [ $$rc -eq 5 ]; then status="no tests"; empty=$$((empty + 1))
+		elif [ $$rc -ne 0 ]; then status="FAILED($$rc)"; failed=1; fi
+		summary+=("$$(printf '%-8s %-10s %5d.%ds  %s' "$$name" "$$status" $$((ms / 1000)) $$((ms % 1000 / 100)) "$$(tail -n1 $$logs/$$name.out)")")
+		[ $$rc -eq 0 ] || [ $$rc -eq 5 ] || [ -z "$(FAIL_FAST)" ]
+	}
+	stage serial $(PY) -m pytest -q -p no:cacheprovider --color=$$color -m "not mpi" \
+		--timeout=$(TEST_TIMEOUT) $(PYTEST_ARGS) tests
+	if [ $$failed -eq 0 ] || [ -z "$(FAIL_FAST)" ]; then
+		for n in $(NP_LIST); do
+			stage mpi-n$$n $(PY) tests/run_mpi.py -n $$n -q --color=$$color $(PYTEST_ARGS) || break
+		done
+	fi
+	if [ $$total -gt 0 ] && [ $$empty -eq $$total ]; then
+		summary+=("no stage collected any test: is tests/ empty?"); failed=1
+	fi
+	t_all=$$(( $$(date +%s%3N) - $(T0_MS) ))
+	echo; echo "=== summary"
+	printf '%s\n' "$${summary[@]}"
+	printf 'make test: %s in %d.%ds (setup %d.%ds)\n' "$$( [ $$failed -eq 0 ] && echo PASSED || echo FAILED)" \
+		$$((t_all / 1000)) $$((t_all % 1000 / 100)) $$((t_setup / 1000)) $$((t_setup % 1000 / 100))
+	exit $$failed
+
+demo: setup
+	@set -x
+	$(VENV)/bin/domainpar info
+	env $(MPI_RUN_ENV) timeout -k 10 600 $(MPIEXEC) -n 4 $(abspath $(PY)) examples/halo_demo.py
+
+clean:
+	@rm -rf build domainpar/_native
+
+distclean: clean
+	@rm -rf $(VENV)

@@ -1,0 +1,36 @@
+"""Test-harness settings shared by all tests (fixtures for the package's own
+tests belong next to those tests).
+
+Environment set by tests/run_mpi.py for MPI runs: DOMAINPAR_TEST_NP (the number
+of ranks) and DOMAINPAR_TEST_LOG_DIR (where ranks 1..N-1 write their output).
+OMP_NUM_THREADS is set by run_mpi.py and the Makefile, not here: it only takes
+effect if set before torch is imported.
+"""
+
+import os
+
+UNDER_MPI = "DOMAINPAR_TEST_NP" in os.environ
+
+try:
+    from hypothesis import settings
+except ImportError:  # hypothesis is a test extra; tests that need it will say so
+    settings = None
+
+if settings is not None:
+    # Under MPI every rank must draw the same examples in the same order, or
+    # the ranks enter different collectives and hang: derandomize, and no
+    # example database (ranks would race on it and replay different examples).
+    # No deadline in either profile: timings on oversubscribed CI cores are noise.
+    settings.register_profile("mpi", derandomize=True, database=None, deadline=None)
+    settings.register_profile("serial", deadline=None)
+    settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "mpi" if UNDER_MPI else "serial"))
+
+
+def pytest_report_header(config):
+    if UNDER_MPI:
+        n = int(os.environ["DOMAINPAR_TEST_NP"])
+        if n == 1:
+            return "domainpar: MPI run on 1 rank"
+        logs = os.environ.get("DOMAINPAR_TEST_LOG_DIR", "?")
+        return f"domainpar: MPI run on {n} ranks; ranks 1..{n - 1} log to {logs}"
+    return None
