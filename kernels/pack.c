@@ -24,13 +24,31 @@ typedef enum { DP_PACK, DP_UNPACK } dp_direction;
  * sizes become single moves instead of memcpy calls. */
 static inline void copy_chunks(char *arr, char *buf, int64_t n, int64_t s,
                                int64_t chunk, dp_direction dir) {
+    /* Four independent moves per iteration keep several cache misses in flight. */
 #define DP_MOVE(T)                                                             \
     do {                                                                       \
         T *b = (T *)buf;                                                       \
-        if (dir == DP_PACK)                                                    \
-            for (int64_t i = 0; i < n; ++i) memcpy(b + i, arr + i * s, sizeof(T)); \
-        else                                                                   \
-            for (int64_t i = 0; i < n; ++i) memcpy(arr + i * s, b + i, sizeof(T)); \
+        char *p = arr;                                                         \
+        int64_t i = 0;                                                         \
+        if (dir == DP_PACK) {                                                  \
+            for (; i + 4 <= n; i += 4, p += 4 * s) {                           \
+                T v0, v1, v2, v3;                                              \
+                memcpy(&v0, p, sizeof(T));                                     \
+                memcpy(&v1, p + s, sizeof(T));                                 \
+                memcpy(&v2, p + 2 * s, sizeof(T));                             \
+                memcpy(&v3, p + 3 * s, sizeof(T));                             \
+                b[i] = v0; b[i + 1] = v1; b[i + 2] = v2; b[i + 3] = v3;        \
+            }                                                                  \
+            for (; i < n; ++i, p += s) memcpy(b + i, p, sizeof(T));            \
+        } else {                                                               \
+            for (; i + 4 <= n; i += 4, p += 4 * s) {                           \
+                memcpy(p, b + i, sizeof(T));                                   \
+                memcpy(p + s, b + i + 1, sizeof(T));                           \
+                memcpy(p + 2 * s, b + i + 2, sizeof(T));                       \
+                memcpy(p + 3 * s, b + i + 3, sizeof(T));                       \
+            }                                                                  \
+            for (; i < n; ++i, p += s) memcpy(p, b + i, sizeof(T));            \
+        }                                                                      \
     } while (0)
     typedef struct { uint64_t w[2]; } dp16;
     typedef struct { uint64_t w[4]; } dp32;

@@ -6,11 +6,17 @@ to 64 MiB. Timed side by side, round-robin, in one run:
 
 - ``sendrecv``: raw ``comm.Sendrecv`` of contiguous buffers of the same bytes
   between the same ranks: the wire, the target to match;
-- ``fill``: ``HaloExchange.fill`` (contiguous faces go straight to MPI; strided
-  ones through the C pack kernels);
-- ``fill_numpy``: the same with numpy's copy instead of the C kernels;
+- ``fill``: ``HaloExchange.fill`` as it chooses by default (contiguous faces go
+  straight to MPI; strided faces as derived datatypes when their rows are long,
+  else through the C pack kernels);
+- ``fill_unchecked``: the same with ``check=False`` (no agreement allreduce);
+
+and, for strided faces, fill with each way forced, to keep the choice honest:
+
+- ``fill_pack``: C pack kernels; ``fill_numpy``: numpy's copy;
+  ``fill_datatype``: derived datatypes straight from the array;
 - ``subarray``: raw ``comm.Sendrecv`` of the same face straight from the array
-  with MPI subarray datatypes (MPI packs it), the other way to avoid packing.
+  with MPI subarray datatypes (what a hand-written mpi4py exchange would do).
 """
 from __future__ import annotations
 
@@ -23,6 +29,7 @@ import numpy as np
 from mpi4py import MPI
 
 from ..comm import Decomposition, HaloExchange, ProcessGrid, capabilities, packing
+from ..comm import halo as halo_module
 from .timing import interleaved, median
 
 TARGET_RATIO = 1.10
@@ -105,17 +112,11 @@ def run(dims=(2, 3), faces_mib=(1, 4, 16, 64), width=1, block=8, repeats=11,
                 strided = not arr[halo.ghost_slices(axis, "lo")].flags.c_contiguous
                 sendrecv, subarray, free = _raw_paths(grid.comm, halo, arr)
 
-                def fill_numpy():
-                    packing.use_native = False
-                    try:
-                        halo.fill(arr)
-                    finally:
-                        packing.use_native = True
-
                 paths = {"sendrecv": sendrecv, "fill": lambda: halo.fill(arr),
+                         "fill_unchecked": lambda: halo.fill(arr, check=False),
                          "subarray": subarray}
                 if strided:
-                    paths["fill_numpy"] = fill_numpy
+                    paths.update(_forced_fills(dec, axis, width, arr))
                 reps = repeats if face <= 16 else max(5, repeats // 2)
                 samples = interleaved(grid.comm, paths, reps)
                 free()
@@ -127,10 +128,12 @@ def run(dims=(2, 3), faces_mib=(1, 4, 16, 64), width=1, block=8, repeats=11,
                     "median_s": med, "samples_s": samples,
                     "ratio_fill_to_sendrecv": med["fill"] / med["sendrecv"],
                     "ratio_fill_to_subarray": med["fill"] / med["subarray"],
+                    "ratio_unchecked_to_sendrecv": med["fill_unchecked"] / med["sendrecv"],
                     "wire_GBps": face_bytes / med["sendrecv"] / 1e9,
                 }
-                if strided:
-                    case["ratio_fill_to_fill_numpy"] = med["fill"] / med["fill_numpy"]
+                for forced in ("fill_pack", "fill_numpy", "fill_datatype"):
+                    if forced in med:
+                        case[f"ratio_fill_to_{forced}"] = med["fill"] / med[forced]
                 case["meets_target"] = case["ratio_fill_to_sendrecv"] <= TARGET_RATIO
                 cases.append(case)
                 if rank == 0:
@@ -148,13 +151,39 @@ def run(dims=(2, 3), faces_mib=(1, 4, 16, 64), width=1, block=8, repeats=11,
     return report
 
 
-HEADER = (f"{'field':>5} {'axis':>4} {'face MiB':>8} {'sendrecv ms':>11} {'fill ms':>8} "
-          f"{'subarray ms':>11} {'numpy ms':>8} {'fill/sendrecv':>13} {'fill/subarray':>13}")
+def _forced_fills(dec, axis, width, arr):
+    """fill with strided faces forced through each wire: C pack, numpy pack,
+    derived datatypes. Plans fix their wire when built, so each gets its own
+    HaloExchange, planned under the forced setting."""
+    def planned(threshold, native):
+        saved = halo_module.DATATYPE_MIN_ROW_BYTES
+        halo_module.DATATYPE_MIN_ROW_BYTES = threshold
+        try:
+            h = HaloExchange(dec, {axis: width})
+            h.fill(arr)
+        finally:
+            halo_module.DATATYPE_MIN_ROW_BYTES = saved
+
+        def run():
+            packing.use_native = native
+            try:
+                h.fill(arr)
+            finally:
+                packing.use_native = True
+        return run
+
+    return {"fill_pack": planned(2**62, True), "fill_numpy": planned(2**62, False),
+            "fill_datatype": planned(1, True)}
+
+
+HEADER = (f"{'field':>5} {'axis':>4} {'face MiB':>8} {'sendrecv':>9} {'fill':>9} {'unchecked':>9} "
+          f"{'subarray':>9} {'C pack':>9} {'numpy':>9} {'datatype':>9} {'fill/sendrecv':>13} {'unchecked/sendrecv':>9}"
+          "   (median ms)")
 
 
 def _row(c) -> str:
     m = c["median_s"]
-    numpy_ms = f"{m['fill_numpy'] * 1e3:8.2f}" if "fill_numpy" in m else f"{'-':>8}"
-    return (f"{c['ndim']:>3}-D {c['axis']:>4} {c['face_bytes'] / 2**20:8.1f} "
-            f"{m['sendrecv'] * 1e3:11.3f} {m['fill'] * 1e3:8.3f} {m['subarray'] * 1e3:11.3f} "
-            f"{numpy_ms} {c['ratio_fill_to_sendrecv']:13.2f} {c['ratio_fill_to_subarray']:13.2f}")
+    ms = [f"{m[k] * 1e3:9.3f}" if k in m else f"{'-':>9}"
+          for k in ("sendrecv", "fill", "fill_unchecked", "subarray", "fill_pack", "fill_numpy", "fill_datatype")]
+    return (f"{c['ndim']:>3}-D {c['axis']:>4} {c['face_bytes'] / 2**20:8.1f} {' '.join(ms)} "
+            f"{c['ratio_fill_to_sendrecv']:13.2f} {c['ratio_unchecked_to_sendrecv']:9.2f}")

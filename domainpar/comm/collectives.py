@@ -89,7 +89,7 @@ def _check_block(op, dec, arr_or_exc, problem=None, root=None):
     if isinstance(arr_or_exc, Exception):
         problem = f"{op}: {arr_or_exc}"
     elif arr_or_exc is not None:
-        dtype = str(arr_or_exc.dtype)
+        dtype = arr_or_exc.dtype.str
         if tuple(arr_or_exc.shape) != dec.local_shape():
             problem = (f"{op}: block shape {tuple(arr_or_exc.shape)} does not match the "
                        f"decomposition's local shape {dec.local_shape()}")

@@ -177,36 +177,49 @@ class HaloExchange:
         return sends, recvs
 
     # -- execution ------------------------------------------------------------------------
-    def _check(self, a, op: str):
+    def _check(self, a, op: str, collective: bool):
+        """This rank's array, once every rank has a well-shaped one of one dtype
+        (with ``collective``; else only this rank's array is checked)."""
         problem = None
         try:
             arr = buffers.as_array(a)
-            if tuple(arr.shape) != self.padded_shape:
+            if arr.shape != self.padded_shape:
                 problem = (f"HaloExchange.{op}: array shape {tuple(arr.shape)} does not match "
                            f"block {self.decomposition.local_shape()} plus ghosts lo={self.lo} "
                            f"hi={self.hi}, i.e. {self.padded_shape}")
         except TypeError as exc:
             arr, problem = None, f"HaloExchange.{op}: {exc}"
-        dtype = str(arr.dtype) if arr is not None else "?"
+        if not collective:
+            if problem:
+                raise LayoutError(problem)
+            return arr
+        dtype = arr.dtype.str if arr is not None else "?"
         agree(self.grid.comm, problem, signature=signature_of(dtype),
               what=f"HaloExchange.{op} array dtypes", described=dtype)
         return arr
 
-    def fill(self, a):
+    def fill(self, a, *, check: bool = True):
         """Neighbour-wise collective. Copy owners' values into the ghost cells of
         ``a`` (numpy, CuPy or torch; modified in place and returned). Periodic
-        axes wrap; ghosts outside a non-periodic domain are left as they are."""
-        arr = self._check(a, "fill")
+        axes wrap; ghosts outside a non-periodic domain are left as they are.
+
+        Every rank first agrees that all arrays are well shaped and of one dtype
+        (one 3-integer allreduce), so bad input raises on every rank alike.
+        ``check=False`` skips that, for callers that built ``a`` from this
+        exchange's layout themselves; a bad array then raises on its rank only.
+        """
+        arr = self._check(a, "fill", check)
         plan = self._plan_for(arr)
         for r in range(len(self._rounds)):
             plan.run(arr, r, adjoint=False)
         return a
 
-    def accumulate(self, a):
+    def accumulate(self, a, *, check: bool = True):
         """Neighbour-wise collective. The adjoint of ``fill``: add the ghost cells
         of ``a`` into their owners' cells, then zero the ghosts ``fill`` writes
-        (those outside a non-periodic domain are left as they are)."""
-        arr = self._check(a, "accumulate")
+        (those outside a non-periodic domain are left as they are). ``check``
+        as for ``fill``."""
+        arr = self._check(a, "accumulate", check)
         plan = self._plan_for(arr)
         for r in reversed(range(len(self._rounds))):
             plan.run(arr, r, adjoint=True)
