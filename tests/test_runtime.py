@@ -84,3 +84,12 @@ def test_cli_bench_halo_relaunches_under_mpiexec(tmp_path):
     for case in report["cases"]:
         assert case["face_bytes"] > 0
         assert set(case["median_s"]) >= {"sendrecv", "fill", "subarray"}
+
+
+def test_comm_layer_never_imports_torch():
+    """DESIGN.md: comm/ is MPI and arrays only; torch must not come in with it."""
+    code = ("import sys, domainpar.comm, domainpar.bench.halo, domainpar.testing; "
+            "assert 'torch' not in sys.modules, sorted(m for m in sys.modules if 'torch' in m)")
+    proc = subprocess.run([sys.executable, "-c", code], env=mpiexec_env(), capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr

@@ -236,8 +236,11 @@ class HaloExchange:
 # Faces whose contiguous rows are at least this long go to MPI as derived
 # datatypes straight from the array (MPI copies them once, through its own
 # pipelined buffers); shorter rows are packed by the C kernels, which beat MPI's
-# datatype engine on tiny rows. Measured with `domainpar bench halo`.
-DATATYPE_MIN_ROW_BYTES = int(os.environ.get("DOMAINPAR_DATATYPE_MIN_ROW_BYTES", 1024))
+# datatype engine 3x on single-element rows. `domainpar bench halo --width W`
+# on 2 ranks here: datatypes 1.2-1.5x faster than packing from 64-byte rows up,
+# on par at 8 to 32 bytes. The wire format is the same bytes either way, so each
+# rank may choose for itself.
+DATATYPE_MIN_ROW_BYTES = int(os.environ.get("DOMAINPAR_DATATYPE_MIN_ROW_BYTES", 64))
 
 
 @dataclasses.dataclass
