@@ -15,11 +15,14 @@ COMM = MPI.COMM_WORLD
 CASES = [(grid_ndim, seed) for grid_ndim in (1, 2, 3, 4) for seed in range(25)]
 
 
-@pytest.fixture(params=["datatype", "pack"])
+@pytest.fixture(params=["datatype", "pack", "tuning"])
 def wire_mode(request, monkeypatch):
-    """Run a test with strided boxes sent as MPI datatypes, then as packed buffers."""
-    threshold = 1 if request.param == "datatype" else 2**62
-    monkeypatch.setattr(halo_module, "DATATYPE_MIN_ROW_BYTES", threshold)
+    """Run a test with strided boxes sent as MPI datatypes, as packed buffers,
+    and switching between the two as a plan does while it tunes itself."""
+    monkeypatch.setattr(halo_module, "DATATYPE_MIN_ROW_BYTES", 1)
+    monkeypatch.setattr(halo_module, "FORCED_WAY",
+                        None if request.param == "tuning" else request.param)
+    monkeypatch.setattr(halo_module, "TUNING_CALLS", 1)
     return request.param
 
 
@@ -159,3 +162,20 @@ def test_device_arrays_staged_and_direct(kind, aware, monkeypatch):
             np.testing.assert_array_equal(t.cpu().numpy(), expected)
     finally:
         runtime.cuda_aware_mpi.cache_clear()
+
+
+@pytest.mark.parametrize("grid_ndim,seed", CASES[::7])
+def test_ranks_may_choose_different_ways(grid_ndim, seed, monkeypatch):
+    """Datatype and packed boxes put the same bytes on the wire, so a plan's
+    choice (made per rank, from its own timings) needs no agreement."""
+    monkeypatch.setattr(halo_module, "DATATYPE_MIN_ROW_BYTES", 1)
+    monkeypatch.setattr(halo_module, "FORCED_WAY", ("datatype", "pack")[COMM.Get_rank() % 2])
+    _, dec, width = random_layout(seed, COMM, grid_ndim)
+    halo = dp.HaloExchange(dec, width)
+    glob = global_array(dec.global_shape, seed)
+    a = padded_with_block(halo, glob, seed, np.float64)
+    expected = reference_fill(glob, halo, a)
+    np.testing.assert_array_equal(halo.fill(a), expected)
+    rng = np.random.default_rng(seed + 31 * COMM.Get_rank())
+    x, y = rng.standard_normal((2,) + halo.padded_shape)
+    assert adjoint_error(halo.fill(x.copy()), y, x, halo.accumulate(y.copy()), COMM) < 1e-13

@@ -7,8 +7,8 @@ to 64 MiB. Timed side by side, round-robin, in one run:
 - ``sendrecv``: raw ``comm.Sendrecv`` of contiguous buffers of the same bytes
   between the same ranks: the wire, the target to match;
 - ``fill``: ``HaloExchange.fill`` as it chooses by default (contiguous faces go
-  straight to MPI; strided faces as derived datatypes when their rows are long,
-  else through the C pack kernels);
+  straight to MPI; faces of single-element rows through the C pack kernels;
+  longer rows as derived datatypes or packed, whichever its plan timed faster);
 - ``fill_unchecked``: the same with ``check=False`` (no agreement allreduce);
 
 and, for strided faces, fill with each way forced, to keep the choice honest:
@@ -102,13 +102,16 @@ def _run_case(grid, ndim, axis, face, width, block, repeats) -> dict:
     if strided:
         paths.update(_forced_fills(dec, axis, width, arr))
     reps = repeats if face <= 16 else max(5, repeats // 2)
-    samples = interleaved(grid.comm, paths, reps)
+    # warm-up long enough for fill's plan to finish timing its ways
+    samples = interleaved(grid.comm, paths, reps, warmup=halo_module.TUNING_CALLS + 1)
     free()
+    (plan,) = halo._plans.values()
     med = {k: median(v) for k, v in samples.items()}
     case = {
         "ndim": ndim, "axis": axis, "strided": strided, "field_shape": list(shape),
         "padded_block_shape": list(halo.padded_shape), "width": width,
         "face_bytes": face_bytes, "repeats": reps,
+        "fill_way": plan.choice or ("packed" if strided else "direct"),
         "median_s": med, "samples_s": samples,
         "ratio_fill_to_sendrecv": med["fill"] / med["sendrecv"],
         "ratio_fill_to_subarray": med["fill"] / med["subarray"],
@@ -166,17 +169,18 @@ def run(dims=(2, 3), faces_mib=(1, 4, 16, 64), width=1, block=8, repeats=11,
 
 
 def _forced_fills(dec, axis, width, arr):
-    """fill with strided faces forced through each wire: C pack, numpy pack,
-    derived datatypes. Plans fix their wire when built, so each gets its own
+    """fill with strided faces forced through each way: C pack, numpy pack,
+    derived datatypes. Plans fix their way when built, so each gets its own
     HaloExchange, planned under the forced setting."""
-    def planned(threshold, native):
-        saved = halo_module.DATATYPE_MIN_ROW_BYTES
-        halo_module.DATATYPE_MIN_ROW_BYTES = threshold
+    def planned(way, native):
+        saved = halo_module.DATATYPE_MIN_ROW_BYTES, halo_module.FORCED_WAY
+        halo_module.DATATYPE_MIN_ROW_BYTES = 1 if way == "datatype" else 2**62
+        halo_module.FORCED_WAY = way
         try:
             h = HaloExchange(dec, {axis: width})
             h.fill(arr)
         finally:
-            halo_module.DATATYPE_MIN_ROW_BYTES = saved
+            halo_module.DATATYPE_MIN_ROW_BYTES, halo_module.FORCED_WAY = saved
 
         def run():
             packing.use_native = native
@@ -186,13 +190,13 @@ def _forced_fills(dec, axis, width, arr):
                 packing.use_native = True
         return run
 
-    return {"fill_pack": planned(2**62, True), "fill_numpy": planned(2**62, False),
-            "fill_datatype": planned(1, True)}
+    return {"fill_pack": planned("pack", True), "fill_numpy": planned("pack", False),
+            "fill_datatype": planned("datatype", True)}
 
 
 HEADER = (f"{'field':>5} {'axis':>4} {'face MiB':>8} {'sendrecv':>9} {'fill':>9} {'unchecked':>9} "
           f"{'subarray':>9} {'C pack':>9} {'numpy':>9} {'datatype':>9} {'fill/sendrecv':>13} {'unchecked/sendrecv':>9}"
-          "   (median ms)")
+          f" {'fill way':>9}   (median ms)")
 
 
 def _row(c) -> str:
@@ -200,4 +204,5 @@ def _row(c) -> str:
     ms = [f"{m[k] * 1e3:9.3f}" if k in m else f"{'-':>9}"
           for k in ("sendrecv", "fill", "fill_unchecked", "subarray", "fill_pack", "fill_numpy", "fill_datatype")]
     return (f"{c['ndim']:>3}-D {c['axis']:>4} {c['face_bytes'] / 2**20:8.1f} {' '.join(ms)} "
-            f"{c['ratio_fill_to_sendrecv']:13.2f} {c['ratio_unchecked_to_sendrecv']:9.2f}")
+            f"{c['ratio_fill_to_sendrecv']:13.2f} {c['ratio_unchecked_to_sendrecv']:18.2f} "
+            f"{c['fill_way']:>9}")

@@ -20,8 +20,10 @@ left alone by both, which makes the pair exactly adjoint on the whole array.
 """
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import os
+import time
 from typing import Mapping
 
 import numpy as np
@@ -124,7 +126,7 @@ class HaloExchange:
 
     # -- planning: pure index math, the same on every rank ------------------------------
     def _plan_rounds(self):
-        dec, grid = self.decomposition, self.grid
+        dec = self.decomposition
         rounds = []
         exchanged = []
         for dim in range(dec.ndim):
@@ -154,26 +156,33 @@ class HaloExchange:
             b[dim] = slice(start, stop)
             return tuple(b)
 
-        sends, recvs = [], []
-        # Enumerate every piece of every block's ghosts in one global order, so
-        # that the messages between any two ranks are posted in the same order
-        # at both ends (MPI keeps that order for equal source, tag and comm).
-        for dst in range(len(sizes)):
+        def pieces(dst):
+            """(src, start, stop, shift) for every piece of block ``dst``'s ghosts,
+            in one fixed order: both ends of any pair of ranks list the messages
+            between them in the same order, which MPI keeps for equal source,
+            tag and communicator."""
             ghosts = ((offs[dst] - lo, offs[dst]),
                       (offs[dst] + sizes[dst], offs[dst] + sizes[dst] + self.hi[dim]))
-            base = offs[dst] - lo  # global index of the receiver's padded position 0
             for g0, g1 in ghosts:
                 for a, b, shift in _wrapped_segments(g0, g1, n, periodic):
-                    for src in range(len(sizes)):
+                    # the owners of [a, b): from the block holding a, onwards
+                    src = bisect.bisect_right(offs, a, hi=len(sizes)) - 1
+                    while src < len(sizes) and offs[src] < b:
                         p0, p1 = max(a, offs[src]), min(b, offs[src] + sizes[src])
-                        if p0 >= p1:
-                            continue
-                        if src == me:
-                            sends.append(Transfer(rank_at(dst), box(p0 - offs[src] + lo,
-                                                                    p1 - offs[src] + lo)))
-                        if dst == me:
-                            recvs.append(Transfer(rank_at(src), box(p0 + shift - base,
-                                                                    p1 + shift - base)))
+                        if p0 < p1:
+                            yield src, p0, p1, shift
+                        src += 1
+
+        recvs = []
+        base = offs[me] - lo  # global index of this rank's padded position 0
+        for src, p0, p1, shift in pieces(me):
+            recvs.append(Transfer(rank_at(src), box(p0 + shift - base, p1 + shift - base)))
+        sends = []
+        for dst in range(len(sizes)):
+            for src, p0, p1, _ in pieces(dst):
+                if src == me:
+                    sends.append(Transfer(rank_at(dst), box(p0 - offs[me] + lo,
+                                                            p1 - offs[me] + lo)))
         return sends, recvs
 
     # -- execution ------------------------------------------------------------------------
@@ -209,9 +218,7 @@ class HaloExchange:
         exchange's layout themselves; a bad array then raises on its rank only.
         """
         arr = self._check(a, "fill", check)
-        plan = self._plan_for(arr)
-        for r in range(len(self._rounds)):
-            plan.run(arr, r, adjoint=False)
+        self._plan_for(arr).execute(arr, adjoint=False)
         return a
 
     def accumulate(self, a, *, check: bool = True):
@@ -220,9 +227,7 @@ class HaloExchange:
         (those outside a non-periodic domain are left as they are). ``check``
         as for ``fill``."""
         arr = self._check(a, "accumulate", check)
-        plan = self._plan_for(arr)
-        for r in reversed(range(len(self._rounds))):
-            plan.run(arr, r, adjoint=True)
+        self._plan_for(arr).execute(arr, adjoint=True)
         return a
 
     def _plan_for(self, arr):
@@ -233,21 +238,27 @@ class HaloExchange:
         return plan
 
 
-# Faces whose contiguous rows are at least this long go to MPI as derived
-# datatypes straight from the array (MPI copies them once, through its own
-# pipelined buffers); shorter rows are packed by the C kernels, which beat MPI's
-# datatype engine 3x on single-element rows. `domainpar bench halo --width W`
-# on 2 ranks here: datatypes 1.2-1.5x faster than packing from 64-byte rows up,
-# on par at 8 to 32 bytes. The wire format is the same bytes either way, so each
-# rank may choose for itself.
+# Strided boxes whose contiguous rows are at least this long can go to MPI as
+# derived datatypes straight from the array (MPI copies them through its own
+# pipelined buffers) instead of through the C pack kernels. Neither always wins:
+# on 2 ranks here (`domainpar bench halo`) datatypes were 1.3-1.6x faster for
+# 2-8 KiB rows of 1-16 MiB faces and 2.7x slower at 64 MiB, and 3x slower for
+# single-element rows at any size. So single-element rows are always packed,
+# and a plan with eligible boxes times both ways on its first calls and keeps
+# the faster (``_Plan.execute``). Both put the same bytes on the wire, so ranks
+# need not agree on the choice.
 DATATYPE_MIN_ROW_BYTES = int(os.environ.get("DOMAINPAR_DATATYPE_MIN_ROW_BYTES", 64))
+TUNING_CALLS = 3  # calls timed per way before a plan settles
+# "datatype" or "pack" skips the tuning and moves every eligible box that way.
+FORCED_WAY = os.environ.get("DOMAINPAR_HALO_WAY") or None
 
 
 @dataclasses.dataclass
 class _Wire:
     """How one transfer's bytes meet MPI in a plan."""
     transfer: Transfer
-    mode: str                 # "local", "direct", "datatype" or "pack"
+    mode: str                 # "local", "direct", "datatype" or "pack" (may switch
+                              # between the last two while the plan is tuning)
     buf: object = None        # pack or staging buffer ("pack")
     datatype: object = None   # derived datatype over the box ("datatype")
     offset: int = 0           # byte offset of the box's first element in the array
@@ -282,8 +293,9 @@ def _box_datatype(view) -> tuple[MPI.Datatype, int]:
 class _Plan:
     """Buffers and datatypes of a HaloExchange for one dtype, memory layout and
     device. Each box meets MPI the cheapest way: contiguous boxes straight from
-    and to the array, boxes of long rows as derived datatypes, the rest through
-    pack buffers. Device arrays are packed on the device and staged through
+    and to the array, boxes of single-element rows through pack buffers, boxes
+    of longer rows as derived datatypes or packed, whichever the first calls
+    found faster. Device arrays are packed on the device and staged through
     pinned host memory unless MPI is CUDA-aware."""
 
     def __init__(self, halo: HaloExchange, arr):
@@ -294,6 +306,13 @@ class _Plan:
         self.staged = self.device and not runtime.cuda_aware_mpi()[0]
         self.rounds = [([self._wire(arr, t) for t in sends], [self._wire(arr, t) for t in recvs])
                        for _dim, sends, recvs in halo._rounds]
+        self.tunable = [w for sends, recvs in self.rounds for w in sends + recvs
+                        if w.datatype is not None]
+        # calls timed per way while tuning; None once settled (or nothing to tune)
+        self.timings = {"datatype": [], "pack": []} if self.tunable else None
+        self.choice = None
+        if self.tunable and FORCED_WAY:
+            self._settle(FORCED_WAY)
 
     def _wire(self, arr, t: Transfer) -> _Wire:
         view = arr[t.box]
@@ -301,14 +320,39 @@ class _Plan:
             return _Wire(t, "local")
         if view.flags.c_contiguous and not self.staged:
             return _Wire(t, "direct")
-        if not self.device and _row_bytes(view) >= DATATYPE_MIN_ROW_BYTES:
-            datatype, span = _box_datatype(view)
-            offset = view.ctypes.data - arr.ctypes.data
-            return _Wire(t, "datatype", datatype=datatype, offset=offset, span=span)
         nbytes = view.size * self.itemsize
         buf = (buffers.pinned_empty(nbytes) if self.staged
                else buffers.empty((nbytes,), np.uint8, arr))
+        if not self.device and _row_bytes(view) >= DATATYPE_MIN_ROW_BYTES:
+            datatype, span = _box_datatype(view)
+            offset = view.ctypes.data - arr.ctypes.data
+            return _Wire(t, "datatype", buf=buf, datatype=datatype, offset=offset, span=span)
         return _Wire(t, "pack", buf=buf)
+
+    def execute(self, arr, adjoint: bool) -> None:
+        """Run every round (backwards for the adjoint); while tuning, time the
+        whole exchange under each way of moving the eligible boxes."""
+        order = reversed(range(len(self.rounds))) if adjoint else range(len(self.rounds))
+        if self.timings is None:
+            for r in order:
+                self.run(arr, r, adjoint)
+            return
+        way = min(self.timings, key=lambda k: len(self.timings[k]))
+        for w in self.tunable:
+            w.mode = way
+        t0 = time.perf_counter()
+        for r in order:
+            self.run(arr, r, adjoint)
+        self.timings[way].append(time.perf_counter() - t0)
+        if all(len(v) >= TUNING_CALLS for v in self.timings.values()):
+            self._settle(min(self.timings, key=lambda k: min(self.timings[k])))
+
+    def _settle(self, way: str) -> None:
+        if way not in ("datatype", "pack"):
+            raise LayoutError(f"DOMAINPAR_HALO_WAY={way!r}: use 'datatype' or 'pack'")
+        self.choice, self.timings = way, None
+        for w in self.tunable:
+            w.mode = way
 
     def _message(self, arr, w: _Wire):
         """The MPI message spec of ``w``'s box in ``arr`` (packing it first if needed)."""
