@@ -19,7 +19,6 @@ CASES = [(grid_ndim, seed) for grid_ndim in (1, 2, 3, 4) for seed in range(25)]
 def wire_mode(request, monkeypatch):
     """Run a test with strided boxes sent as MPI datatypes, as packed buffers,
     and switching between the two as a plan does while it tunes itself."""
-    monkeypatch.setattr(halo_module, "DATATYPE_MIN_ROW_BYTES", 1)
     monkeypatch.setattr(halo_module, "FORCED_WAY",
                         None if request.param == "tuning" else request.param)
     monkeypatch.setattr(halo_module, "TUNING_CALLS", 1)
@@ -168,7 +167,6 @@ def test_device_arrays_staged_and_direct(kind, aware, monkeypatch):
 def test_ranks_may_choose_different_ways(grid_ndim, seed, monkeypatch):
     """Datatype and packed boxes put the same bytes on the wire, so a plan's
     choice (made per rank, from its own timings) needs no agreement."""
-    monkeypatch.setattr(halo_module, "DATATYPE_MIN_ROW_BYTES", 1)
     monkeypatch.setattr(halo_module, "FORCED_WAY", ("datatype", "pack")[COMM.Get_rank() % 2])
     _, dec, width = random_layout(seed, COMM, grid_ndim)
     halo = dp.HaloExchange(dec, width)

@@ -7,8 +7,8 @@ to 64 MiB. Timed side by side, round-robin, in one run:
 - ``sendrecv``: raw ``comm.Sendrecv`` of contiguous buffers of the same bytes
   between the same ranks: the wire, the target to match;
 - ``fill``: ``HaloExchange.fill`` as it chooses by default (contiguous faces go
-  straight to MPI; faces of single-element rows through the C pack kernels;
-  longer rows as derived datatypes or packed, whichever its plan timed faster);
+  straight to MPI; strided faces as derived datatypes or through the C pack
+  kernels, whichever its plan timed faster on its first calls);
 - ``fill_unchecked``: the same with ``check=False`` (no agreement allreduce);
 
 and, for strided faces, fill with each way forced, to keep the choice honest:
@@ -173,14 +173,13 @@ def _forced_fills(dec, axis, width, arr):
     derived datatypes. Plans fix their way when built, so each gets its own
     HaloExchange, planned under the forced setting."""
     def planned(way, native):
-        saved = halo_module.DATATYPE_MIN_ROW_BYTES, halo_module.FORCED_WAY
-        halo_module.DATATYPE_MIN_ROW_BYTES = 1 if way == "datatype" else 2**62
+        saved = halo_module.FORCED_WAY
         halo_module.FORCED_WAY = way
         try:
             h = HaloExchange(dec, {axis: width})
             h.fill(arr)
         finally:
-            halo_module.DATATYPE_MIN_ROW_BYTES, halo_module.FORCED_WAY = saved
+            halo_module.FORCED_WAY = saved
 
         def run():
             packing.use_native = native

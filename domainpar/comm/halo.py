@@ -238,16 +238,15 @@ class HaloExchange:
         return plan
 
 
-# Strided boxes whose contiguous rows are at least this long can go to MPI as
-# derived datatypes straight from the array (MPI copies them through its own
-# pipelined buffers) instead of through the C pack kernels. Neither always wins:
-# on 2 ranks here (`domainpar bench halo`) datatypes were 1.3-1.6x faster for
-# 2-8 KiB rows of 1-16 MiB faces and 2.7x slower at 64 MiB, and 3x slower for
-# single-element rows at any size. So single-element rows are always packed,
-# and a plan with eligible boxes times both ways on its first calls and keeps
-# the faster (``_Plan.execute``). Both put the same bytes on the wire, so ranks
+# A strided box can go to MPI as a derived datatype straight from the array
+# (MPI copies it through its own pipelined buffers) or through the C pack
+# kernels. Neither always wins: on 2 ranks here (`domainpar bench halo`)
+# datatypes were 1.3-1.6x faster for 2-8 KiB rows and 1.1x for 4-byte rows of
+# faces of 4 MiB and more, but 1.7x slower for 4-byte rows of 1 MiB faces, and
+# from one run to the next the order flipped with the state of memory. So a
+# plan with strided boxes times both ways on its first calls and keeps the
+# faster (``_Plan.execute``). Both put the same bytes on the wire, so ranks
 # need not agree on the choice.
-DATATYPE_MIN_ROW_BYTES = int(os.environ.get("DOMAINPAR_DATATYPE_MIN_ROW_BYTES", 64))
 TUNING_CALLS = 3  # calls timed per way before a plan settles
 # "datatype" or "pack" skips the tuning and moves every eligible box that way.
 FORCED_WAY = os.environ.get("DOMAINPAR_HALO_WAY") or None
@@ -264,12 +263,6 @@ class _Wire:
     offset: int = 0           # byte offset of the box's first element in the array
     span: int = 0             # bytes from the box's first element to past its last
     sum_buf: object = None    # where an owned box receives a sum (accumulate)
-
-
-def _row_bytes(view) -> int:
-    """Length in bytes of the contiguous rows of ``view``."""
-    shape, strides = packing._merged_layout(view)
-    return shape[-1] * view.itemsize if strides[-1] == view.itemsize else view.itemsize
 
 
 def _box_datatype(view) -> tuple[MPI.Datatype, int]:
@@ -293,9 +286,8 @@ def _box_datatype(view) -> tuple[MPI.Datatype, int]:
 class _Plan:
     """Buffers and datatypes of a HaloExchange for one dtype, memory layout and
     device. Each box meets MPI the cheapest way: contiguous boxes straight from
-    and to the array, boxes of single-element rows through pack buffers, boxes
-    of longer rows as derived datatypes or packed, whichever the first calls
-    found faster. Device arrays are packed on the device and staged through
+    and to the array, strided ones as derived datatypes or packed, whichever
+    the first calls found faster. Device arrays are packed on the device and staged through
     pinned host memory unless MPI is CUDA-aware."""
 
     def __init__(self, halo: HaloExchange, arr):
@@ -323,7 +315,7 @@ class _Plan:
         nbytes = view.size * self.itemsize
         buf = (buffers.pinned_empty(nbytes) if self.staged
                else buffers.empty((nbytes,), np.uint8, arr))
-        if not self.device and _row_bytes(view) >= DATATYPE_MIN_ROW_BYTES:
+        if not self.device:
             datatype, span = _box_datatype(view)
             offset = view.ctypes.data - arr.ctypes.data
             return _Wire(t, "datatype", buf=buf, datatype=datatype, offset=offset, span=span)
