@@ -38,10 +38,11 @@ def _from_wire(wire, like):
 
 
 def _byte_counts(sizes, itemsize):
+    """Byte counts and displacements of blocks of ``sizes`` elements, back to back."""
     counts = [int(n) * itemsize for n in sizes]
-    if max(counts, default=0) > _MAX_COUNT:
-        raise LayoutError(f"a message of {max(counts)} bytes exceeds MPI's count limit of "
-                          f"{_MAX_COUNT} bytes: use more ranks or smaller blocks")
+    if sum(counts) > _MAX_COUNT:  # displacements are C ints too
+        raise LayoutError(f"{sum(counts)} bytes in one collective exceed MPI's count limit "
+                          f"of {_MAX_COUNT} bytes: use more ranks or smaller blocks")
     displs = np.concatenate(([0], np.cumsum(counts)[:-1])).astype(np.int64).tolist()
     return counts, displs
 
@@ -54,7 +55,7 @@ def _pack_boxes(arr, boxes, itemsize):
     for box, n in zip(boxes, sizes):
         packing.pack(arr[box], buf[pos:pos + n * itemsize])
         pos += n * itemsize
-    return buf, sizes
+    return buf
 
 
 def _unpack_boxes(buf, arr, boxes, itemsize):
@@ -89,7 +90,7 @@ def _check_block(op, dec, arr_or_exc, problem=None, root=None):
     if isinstance(arr_or_exc, Exception):
         problem = f"{op}: {arr_or_exc}"
     elif arr_or_exc is not None:
-        dtype = arr_or_exc.dtype.str
+        dtype = arr_or_exc.dtype
         if tuple(arr_or_exc.shape) != dec.local_shape():
             problem = (f"{op}: block shape {tuple(arr_or_exc.shape)} does not match the "
                        f"decomposition's local shape {dec.local_shape()}")
@@ -98,8 +99,8 @@ def _check_block(op, dec, arr_or_exc, problem=None, root=None):
     else:
         problem = problem or _root_problem(op, root, dec.grid.size)
         what, described = f"{op} dtypes or roots", f"dtype={dtype} root={root}"
-    agree(dec.grid.comm, problem, signature=signature_of(dtype, str(root)), what=what,
-          described=described)
+    agree(dec.grid.comm, problem, signature=signature_of(getattr(dtype, "str", dtype), str(root)),
+          what=what, described=described)
 
 
 def _root_problem(op, root, size):
@@ -226,7 +227,7 @@ def scatterv(global_array, dec: Decomposition, root: int = 0):
     recv_host = np.empty(counts[grid.rank], np.uint8)
     if grid.rank == root:
         wire_src = _to_wire(arr)
-        send, _ = _pack_boxes(wire_src, [dec.local_slices(r) for r in range(grid.size)], itemsize)
+        send = _pack_boxes(wire_src, [dec.local_slices(r) for r in range(grid.size)], itemsize)
         grid.comm.Scatterv([send, (counts, displs), MPI.BYTE], [recv_host, MPI.BYTE], root=root)
     else:
         grid.comm.Scatterv(None, [recv_host, MPI.BYTE], root=root)
@@ -245,40 +246,53 @@ def repartition(block, src: Decomposition, dst: Decomposition):
     coordinates on the axes ``src`` replicates, so replicas never send twice.
     """
     arr = _as_array_or_error(block)
-    problem = None
+    problem = plan = None
     if src.grid is not dst.grid:
         problem = "repartition: source and destination decompositions are on different grids"
     elif src.global_shape != dst.global_shape:
         problem = (f"repartition: global shapes differ ({src.global_shape} -> "
                    f"{dst.global_shape})")
+    elif not isinstance(arr, Exception):
+        try:  # this rank's message sizes: over the count limit on one rank only
+            plan = _repartition_plan(src, dst, arr.dtype.itemsize)
+        except LayoutError as exc:
+            problem = f"repartition: {exc}"
     _check_block("repartition", src, arr, problem)
+    (send_boxes, scounts, sdispls), (recv_boxes, rcounts, rdispls) = plan
+    send = _pack_boxes(arr, send_boxes, arr.dtype.itemsize)
+    recv = buffers.empty((sum(rcounts),), np.uint8, arr)
+    wire_send, wire_recv = _to_wire(send), _to_wire(recv)
+    src.grid.comm.Alltoallv([wire_send, (scounts, sdispls), MPI.BYTE],
+                            [wire_recv, (rcounts, rdispls), MPI.BYTE])
+    out = buffers.empty(dst.local_shape(), arr.dtype, arr)
+    _unpack_boxes(_from_wire(wire_recv, arr), out, recv_boxes, arr.dtype.itemsize)
+    return out
+
+
+def _repartition_plan(src: Decomposition, dst: Decomposition, itemsize: int):
+    """Index math of a repartition, for this rank: (boxes, byte counts, byte
+    displacements) of what it sends, in rank order, and of what it receives."""
     grid = src.grid
     me, reps = grid.coords, src.replicated_axes
-
-    def shares_replica(r):
-        c = grid.coords_of(r)
-        return all(c[a] == me[a] for a in reps)
-
     mine_src, mine_dst = src.local_slices(), dst.local_slices()
     send_boxes, recv_boxes, send_sizes, recv_sizes = [], [], [], []
     for r in range(grid.size):
-        ok = shares_replica(r)
-        out_box = _intersect(mine_src, dst.local_slices(r)) if ok else None
-        in_box = _intersect(src.local_slices(r), mine_dst) if ok else None
-        send_sizes.append(0 if out_box is None else int(np.prod([s.stop - s.start for s in out_box])))
-        recv_sizes.append(0 if in_box is None else int(np.prod([s.stop - s.start for s in in_box])))
+        coords = grid.coords_of(r)
+        if any(coords[a] != me[a] for a in reps):  # another replica group's business
+            send_sizes.append(0)
+            recv_sizes.append(0)
+            continue
+        out_box = _intersect(mine_src, dst.local_slices(r))
+        in_box = _intersect(src.local_slices(r), mine_dst)
+        send_sizes.append(_box_size(out_box))
+        recv_sizes.append(_box_size(in_box))
         if out_box is not None:
             send_boxes.append(_shift(out_box, src.offsets()))
         if in_box is not None:
             recv_boxes.append(_shift(in_box, dst.offsets()))
-    itemsize = arr.dtype.itemsize
-    scounts, sdispls = _byte_counts(send_sizes, itemsize)
-    rcounts, rdispls = _byte_counts(recv_sizes, itemsize)
-    send, _ = _pack_boxes(arr, send_boxes, itemsize)
-    recv = buffers.empty((sum(rcounts),), np.uint8, arr)
-    wire_send, wire_recv = _to_wire(send), _to_wire(recv)
-    grid.comm.Alltoallv([wire_send, (scounts, sdispls), MPI.BYTE],
-                        [wire_recv, (rcounts, rdispls), MPI.BYTE])
-    out = buffers.empty(dst.local_shape(), arr.dtype, arr)
-    _unpack_boxes(_from_wire(wire_recv, arr), out, recv_boxes, itemsize)
-    return out
+    return ((send_boxes, *_byte_counts(send_sizes, itemsize)),
+            (recv_boxes, *_byte_counts(recv_sizes, itemsize)))
+
+
+def _box_size(box) -> int:
+    return 0 if box is None else int(np.prod([s.stop - s.start for s in box]))

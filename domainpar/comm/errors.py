@@ -32,12 +32,13 @@ def signature_of(*values) -> int:
 
 
 def agree(comm: MPI.Comm, problem: str | None, *, signature: int = 0,
-          what: str = "arguments", described: str = "") -> None:
+          what: str = "arguments", described: object = "") -> None:
     """Collective. Raise the same error on every rank if any rank found a problem.
 
     ``problem`` is this rank's complaint (None when all is well); ``signature``
     is a digest (``signature_of``) of the values that must be equal on every rank,
-    ``described`` their human-readable form, used only in the error message.
+    ``described`` their human-readable form (anything ``str`` can show), used
+    only in the error message.
     Costs one allreduce of three integers when all is well.
     """
     flags = np.array([problem is not None, signature, -signature], dtype=np.int64)

@@ -202,8 +202,8 @@ class HaloExchange:
             if problem:
                 raise LayoutError(problem)
             return arr
-        dtype = arr.dtype.str if arr is not None else "?"
-        agree(self.grid.comm, problem, signature=signature_of(dtype),
+        dtype = arr.dtype if arr is not None else "?"  # named only if ranks differ
+        agree(self.grid.comm, problem, signature=signature_of(getattr(dtype, "str", dtype)),
               what=f"HaloExchange.{op} array dtypes", described=dtype)
         return arr
 
