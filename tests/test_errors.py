@@ -249,6 +249,17 @@ def test_repartition_between_different_global_shapes_or_grids():
                       lambda: repartition(block_of(src), src, elsewhere))
 
 
+def test_repartition_over_the_count_limit_on_one_rank(monkeypatch):
+    """Message sizes differ per rank in a repartition; one rank over MPI's
+    count limit must still make every rank raise."""
+    from domainpar.comm import collectives
+    src, dst = layouts()
+    if ODD:
+        monkeypatch.setattr(collectives, "_MAX_COUNT", 8)
+    expect_everywhere(LayoutError, [f"rank {LAST}: repartition:", "exceed MPI's count limit"],
+                      lambda: repartition(block_of(src), src, dst))
+
+
 @pytest.mark.parametrize("root", sorted({0, LAST}))
 def test_scatterv_root_array_with_the_wrong_shape(root):
     src, _ = layouts()
