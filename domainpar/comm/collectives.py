@@ -226,8 +226,8 @@ def scatterv(global_array, dec: Decomposition, root: int = 0):
         [int(np.prod(dec.local_shape(r))) for r in range(grid.size)], itemsize)
     recv_host = np.empty(counts[grid.rank], np.uint8)
     if grid.rank == root:
-        wire_src = _to_wire(arr)
-        send = _pack_boxes(wire_src, [dec.local_slices(r) for r in range(grid.size)], itemsize)
+        send = _to_wire(_pack_boxes(arr, [dec.local_slices(r) for r in range(grid.size)],
+                                    itemsize))
         grid.comm.Scatterv([send, (counts, displs), MPI.BYTE], [recv_host, MPI.BYTE], root=root)
     else:
         grid.comm.Scatterv(None, [recv_host, MPI.BYTE], root=root)

@@ -373,13 +373,15 @@ class _Plan:
             requests.append(self.comm.Irecv(self._message(arr, w), w.transfer.peer, tag))
             if w.mode == "pack":
                 unpacks.append((arr[box], w.buf))
-        buffers.synchronize(arr)
         for w in sends:
-            if w.mode == "local":
-                continue
             if w.mode == "pack":
                 self._pack(arr[w.transfer.box], w.buf)
-            requests.append(self.comm.Isend(self._message(arr, w), w.transfer.peer, tag))
+        # On a GPU the array's producers and the pack kernels run asynchronously:
+        # all of them must be done before MPI reads device memory.
+        buffers.synchronize(arr)
+        for w in sends:
+            if w.mode != "local":
+                requests.append(self.comm.Isend(self._message(arr, w), w.transfer.peer, tag))
         # Local copies pair up in the order messages would.
         local_sends = [arr[w.transfer.box] for w in sends if w.mode == "local"]
         local_recvs = [arr[w.transfer.box] for w in recvs if w.mode == "local"]
