@@ -56,6 +56,16 @@ def native_library() -> tuple[bool, str]:
     return _LIB is not None, _LIB_WHERE
 
 
+def cuda_kernels() -> str:
+    """Where the CUDA pack kernels would come from (nothing is compiled here)."""
+    fatbin = _NATIVE_DIR / "pack.fatbin"
+    if fatbin.exists():
+        return f"prebuilt: {fatbin}"
+    if _CUDA_SOURCE.exists():
+        return f"source for NVRTC: {_CUDA_SOURCE}"
+    return "missing (neither pack.fatbin nor kernels/pack.cu found); CuPy's copy is used"
+
+
 def _merged_layout(view: np.ndarray) -> tuple[list[int], list[int]]:
     """Shape and byte strides of ``view`` with adjacent dims merged wherever the
     outer one steps exactly over the inner one, so rows are as long as possible."""
@@ -119,12 +129,18 @@ _cuda_state: dict = {}
 
 
 def _cuda_module():
-    """The compiled kernels/pack.cu (once per process), or None if it cannot be built."""
+    """kernels/pack.cu, built ahead by CMake (domainpar/_native/pack.fatbin) or
+    compiled here by NVRTC, once per process; None if neither works."""
     if "module" not in _cuda_state:
+        fatbin = _NATIVE_DIR / "pack.fatbin"
         try:
             import cupy
-            _cuda_state["module"] = cupy.RawModule(code=_CUDA_SOURCE.read_text())
-            _cuda_state["why"] = f"compiled {_CUDA_SOURCE.name} with NVRTC"
+            if fatbin.exists():
+                _cuda_state["module"] = cupy.RawModule(path=str(fatbin))
+                _cuda_state["why"] = f"loaded {fatbin}"
+            else:
+                _cuda_state["module"] = cupy.RawModule(code=_CUDA_SOURCE.read_text())
+                _cuda_state["why"] = f"compiled {_CUDA_SOURCE} with NVRTC"
         except Exception as exc:  # no CuPy, no NVRTC, or no source: CuPy's copy serves
             _cuda_state["module"] = None
             _cuda_state["why"] = f"CUDA kernels unavailable ({type(exc).__name__}: {exc})"

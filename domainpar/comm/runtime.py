@@ -114,6 +114,7 @@ def capabilities() -> dict:
     }
     found, where = packing.native_library()
     report["native_kernels"] = ("found: " if found else "not found: ") + where
+    report["cuda_kernels"] = packing.cuda_kernels()
     return report
 
 
