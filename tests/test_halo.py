@@ -103,24 +103,20 @@ def test_non_contiguous_arrays_and_plan_reuse(wire_mode):
     assert len(halo._plans) == 2
 
 
-def test_outer_ghosts_untouched_and_periodic_wrap_explicit():
-    """A hand-checked case: 1-D, 12 cells, periodic, width 2 on each side."""
-    grid = dp.ProcessGrid((0,), periodic=True)
+@pytest.mark.parametrize("periodic", [True, False])
+def test_outer_ghosts_untouched_and_periodic_wrap_explicit(periodic):
+    """A hand-checked case: 1-D, 12 cells, width 2 on each side; ghosts off a
+    non-periodic domain keep their -1."""
+    grid = dp.ProcessGrid((0,), periodic=periodic)
     dec = dp.Decomposition((12,), grid, shard={0: 0})
     halo = dp.HaloExchange(dec, {0: 2})
     a = np.full(halo.padded_shape, -1.0)
     a[halo.owned] = np.arange(12.0)[dec.local_slices()]
     halo.fill(a)
     off, n = dec.offsets()[0], dec.local_shape()[0]
-    assert a.tolist() == [float(i % 12) for i in range(off - 2, off + n + 2)]
-    grid = dp.ProcessGrid((0,), periodic=False)
-    dec = dp.Decomposition((12,), grid, shard={0: 0})
-    halo = dp.HaloExchange(dec, {0: 2})
-    a = np.full(halo.padded_shape, -1.0)
-    a[halo.owned] = np.arange(12.0)[dec.local_slices()]
-    halo.fill(a)
-    off, n = dec.offsets()[0], dec.local_shape()[0]
-    assert a.tolist() == [float(i) if 0 <= i < 12 else -1.0 for i in range(off - 2, off + n + 2)]
+    expected = [float(i % 12) if periodic or 0 <= i < 12 else -1.0
+                for i in range(off - 2, off + n + 2)]
+    assert a.tolist() == expected
 
 
 def _gpu_or_skip():
