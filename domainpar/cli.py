@@ -15,6 +15,17 @@ import sys
 _LAUNCHER_VARS = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK", "SLURM_STEP_ID", "MPI_LOCALNRANKS")
 
 
+def _positive(kind):
+    """argparse type: a number of ``kind`` greater than zero."""
+    def parse(text: str):
+        value = kind(text)
+        if value <= 0:
+            raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+        return value
+    parse.__name__ = kind.__name__
+    return parse
+
+
 def _under_launcher() -> bool:
     return any(v in os.environ for v in _LAUNCHER_VARS)
 
@@ -83,21 +94,23 @@ def build_parser() -> argparse.ArgumentParser:
     halo = bench_sub.add_parser(
         "halo", help="HaloExchange.fill against raw mpi4py Sendrecv of the same bytes",
         description="Times HaloExchange.fill against raw mpi4py Sendrecv of contiguous "
-                    "buffers of the same bytes (and against Sendrecv with MPI subarray "
-                    "datatypes, and fill with numpy packing), interleaved in one run, for "
-                    "2-D and 3-D float32 fields sharded along each axis in turn. Prints a "
+                    "buffers of the same bytes between the same ranks, interleaved in one "
+                    "run, for 2-D and 3-D float32 fields sharded along each axis in turn. "
+                    "Beside them: fill without its agreement allreduce, fill with strided "
+                    "faces forced through the C pack kernels, numpy, or MPI derived "
+                    "datatypes, and raw Sendrecv with MPI subarray datatypes. Prints a "
                     "table of medians and writes JSON.")
-    halo.add_argument("-n", "--nprocs", type=int, default=2,
+    halo.add_argument("-n", "--nprocs", type=_positive(int), default=2,
                       help="ranks to launch with mpiexec when not already under a launcher "
                            "(default 2)")
     halo.add_argument("--dims", type=int, nargs="+", default=[2, 3], choices=[2, 3],
                       help="field dimensionalities (default: 2 3)")
-    halo.add_argument("--faces", type=float, nargs="+", default=[1, 4, 16, 64],
+    halo.add_argument("--faces", type=_positive(float), nargs="+", default=[1, 4, 16, 64],
                       help="face sizes in MiB (default: 1 4 16 64)")
-    halo.add_argument("--width", type=int, default=1, help="halo width (default 1)")
-    halo.add_argument("--block", type=int, default=8,
+    halo.add_argument("--width", type=_positive(int), default=1, help="halo width (default 1)")
+    halo.add_argument("--block", type=_positive(int), default=8,
                       help="block extent along the sharded axis (default 8)")
-    halo.add_argument("--repeats", type=int, default=11,
+    halo.add_argument("--repeats", type=_positive(int), default=11,
                       help="timed runs per path (default 11; halved for faces > 16 MiB)")
     halo.add_argument("--out", default="bench-out/halo.json", help="JSON output path")
     halo.set_defaults(run=_bench_halo)

@@ -134,6 +134,9 @@ def run(dims=(2, 3), faces_mib=(1, 4, 16, 64), width=1, block=8, repeats=11,
     if size < 2:
         raise SystemExit("domainpar bench halo needs 2 or more MPI ranks "
                          "(domainpar bench halo -n 2 launches them)")
+    if block < width:  # the raw baselines send one face per neighbour
+        raise SystemExit(f"domainpar bench halo: --block {block} must be at least "
+                         f"--width {width}")
     grid = ProcessGrid((size,))
     if rank == 0:
         log(f"halo fill vs raw mpi4py on {size} ranks, float32, width {width}, "
