@@ -118,7 +118,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if getattr(args, "benchmark", None) == "halo" and args.block < args.width:
+        parser.error(f"--block {args.block} must be at least --width {args.width} "
+                     "(the raw baselines send one face per neighbour)")
     if args.nprocs > 1 and not _under_launcher():
         return _relaunch(args.nprocs)
     return args.run(args)
