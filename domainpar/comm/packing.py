@@ -1,8 +1,9 @@
 """Pack and unpack strided boxes of arrays to and from contiguous buffers.
 
 Host arrays: the C kernels (kernels/pack.c, built by CMakeLists.txt into
-domainpar/_native/) copy faces made of short rows several times faster than
-numpy, and single-element rows about as fast; without them numpy's copy is used.
+domainpar/_native/) copy faces made of short rows 3-10x faster than numpy;
+numpy keeps single-element rows, where it is a little faster, and everything
+when the kernels are not built.
 Device arrays: the CUDA kernels (kernels/pack.cu), compiled at run time by
 NVRTC through CuPy; CuPy's own copy if they fail to compile.
 ``native_library()`` says what was found, for ``domainpar info``.
@@ -88,12 +89,25 @@ def _c_args(view: np.ndarray, shape, strides):
             (ctypes.c_int64 * ndim)(*strides))
 
 
+def _c_layout(view):
+    """Merged (shape, strides) of ``view`` when the C kernels should copy it,
+    else None. They take host arrays whose rows hold several elements; on
+    single-element rows numpy's own loop measured 5-15% faster (`domainpar
+    bench halo`, C pack against numpy), so numpy keeps those."""
+    if not (isinstance(view, np.ndarray) and _LIB is not None and use_native and view.size):
+        return None
+    shape, strides = _merged_layout(view)
+    if strides[-1] != view.itemsize and view.size > 1:
+        return None
+    return shape, strides
+
+
 def pack(view, buf) -> None:
     """Copy the (possibly strided) array ``view`` into the contiguous ``buf``
     (any dtype, ``view.nbytes`` long)."""
-    if isinstance(view, np.ndarray) and _LIB is not None and use_native and view.size:
-        shape, strides = _merged_layout(view)
-        _LIB.dp_pack(*_c_args(view, shape, strides), view.itemsize, buf.ctypes.data)
+    layout = _c_layout(view)
+    if layout is not None:
+        _LIB.dp_pack(*_c_args(view, *layout), view.itemsize, buf.ctypes.data)
         return
     if not isinstance(view, np.ndarray) and _cuda_copy(view, buf, "pack"):
         return
@@ -103,8 +117,9 @@ def pack(view, buf) -> None:
 
 def unpack(view, buf, add: bool = False) -> None:
     """Copy (or with ``add``, add) the contiguous ``buf`` into the array ``view``."""
-    if isinstance(view, np.ndarray) and _LIB is not None and use_native and view.size:
-        shape, strides = _merged_layout(view)
+    layout = _c_layout(view)
+    if layout is not None:
+        shape, strides = layout
         if not add:
             _LIB.dp_unpack(*_c_args(view, shape, strides), view.itemsize, buf.ctypes.data)
             return
@@ -114,7 +129,8 @@ def unpack(view, buf, add: bool = False) -> None:
                 shape, strides = shape + [2], strides + [view.itemsize // 2]
             _LIB.dp_unpack_add(*_c_args(view, shape, strides), code, buf.ctypes.data)
             return
-    elif not isinstance(view, np.ndarray) and _cuda_copy(view, buf, "unpack_add" if add else "unpack"):
+    elif not isinstance(view, np.ndarray) and _cuda_copy(view, buf,
+                                                         "unpack_add" if add else "unpack"):
         return
     src = buf.view(view.dtype).reshape(view.shape)
     if add:
