@@ -7,13 +7,14 @@ to 64 MiB. Timed side by side, round-robin, in one run:
 - ``sendrecv``: raw ``comm.Sendrecv`` of contiguous buffers of the same bytes
   between the same ranks: the wire, the target to match;
 - ``fill``: ``HaloExchange.fill`` as it chooses by default (contiguous faces go
-  straight to MPI; strided faces as derived datatypes or through the C pack
-  kernels, whichever its plan timed faster on its first calls);
+  straight to MPI; strided faces as derived datatypes or packed, whichever its
+  plan timed faster on its first calls);
 - ``fill_unchecked``: the same with ``check=False`` (no agreement allreduce);
 
 and, for strided faces, fill with each way forced, to keep the choice honest:
 
-- ``fill_pack``: C pack kernels; ``fill_numpy``: numpy's copy;
+- ``fill_pack``: packed as domainpar packs (C kernels, numpy on single-element
+  rows); ``fill_numpy``: numpy's copy for every face;
   ``fill_datatype``: derived datatypes straight from the array;
 - ``subarray``: raw ``comm.Sendrecv`` of the same face straight from the array
   with MPI subarray datatypes (what a hand-written mpi4py exchange would do).
@@ -172,7 +173,7 @@ def run(dims=(2, 3), faces_mib=(1, 4, 16, 64), width=1, block=8, repeats=11,
 
 
 def _forced_fills(dec, axis, width, arr):
-    """fill with strided faces forced through each way: C pack, numpy pack,
+    """fill with strided faces forced through each way: packed, numpy only,
     derived datatypes. Plans fix their way when built, so each gets its own
     HaloExchange, planned under the forced setting."""
     def planned(way, native):
@@ -196,15 +197,17 @@ def _forced_fills(dec, axis, width, arr):
             "fill_datatype": planned("datatype", True)}
 
 
-HEADER = (f"{'field':>5} {'axis':>4} {'face MiB':>8} {'sendrecv':>9} {'fill':>9} {'unchecked':>9} "
-          f"{'subarray':>9} {'C pack':>9} {'numpy':>9} {'datatype':>9} {'fill/sendrecv':>13} {'unchecked/sendrecv':>9}"
-          f" {'fill way':>9}   (median ms)")
+_COLUMNS = {"sendrecv": "sendrecv", "fill": "fill", "fill_unchecked": "unchecked",
+            "subarray": "subarray", "fill_pack": "packed", "fill_numpy": "numpy",
+            "fill_datatype": "datatype"}
+HEADER = (f"{'field':>5} {'axis':>4} {'face MiB':>8} "
+          + " ".join(f"{title:>9}" for title in _COLUMNS.values())
+          + f" {'fill/sendrecv':>13} {'unchecked/sendrecv':>18} {'fill way':>9}   (median ms)")
 
 
 def _row(c) -> str:
     m = c["median_s"]
-    ms = [f"{m[k] * 1e3:9.3f}" if k in m else f"{'-':>9}"
-          for k in ("sendrecv", "fill", "fill_unchecked", "subarray", "fill_pack", "fill_numpy", "fill_datatype")]
+    ms = [f"{m[k] * 1e3:9.3f}" if k in m else f"{'-':>9}" for k in _COLUMNS]
     return (f"{c['ndim']:>3}-D {c['axis']:>4} {c['face_bytes'] / 2**20:8.1f} {' '.join(ms)} "
             f"{c['ratio_fill_to_sendrecv']:13.2f} {c['ratio_unchecked_to_sendrecv']:18.2f} "
             f"{c['fill_way']:>9}")
