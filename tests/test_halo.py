@@ -173,3 +173,26 @@ def test_ranks_may_choose_different_ways(grid_ndim, seed, monkeypatch):
     rng = np.random.default_rng(seed + 31 * COMM.Get_rank())
     x, y = rng.standard_normal((2,) + halo.padded_shape)
     assert adjoint_error(halo.fill(x.copy()), y, x, halo.accumulate(y.copy()), COMM) < 1e-13
+
+
+def test_many_arrays_through_one_plan(wire_mode):
+    """Persistent requests are kept per array address; more arrays than are kept,
+    filled and accumulated in turn, each get their own neighbours' values."""
+    grid = dp.ProcessGrid((0, 0), periodic=(True, True))
+    dec = dp.Decomposition((9, 7, 5), grid, shard={0: 0, 1: 1})
+    halo = dp.HaloExchange(dec, {0: 1, 1: (2, 1), 2: 1})
+    count = halo_module._KEPT_ADDRESSES + 2
+    globs = [global_array(dec.global_shape, 100 + i) for i in range(count)]
+    arrays = [padded_with_block(halo, g, 100 + i, np.float64) for i, g in enumerate(globs)]
+    expected = [reference_fill(g, halo, a) for g, a in zip(globs, arrays)]
+    for _ in range(2):
+        for a, e in zip(arrays, expected):
+            np.testing.assert_array_equal(halo.fill(a), e)
+    assert len(halo._plans) == 1
+    (plan,) = halo._plans.values()
+    assert len(plan.requests) <= halo_module._KEPT_ADDRESSES
+    rng = np.random.default_rng(COMM.Get_rank())
+    for a in arrays:
+        x, y = rng.standard_normal((2,) + halo.padded_shape)
+        a[...] = y
+        assert adjoint_error(halo.fill(x.copy()), y, x, halo.accumulate(a), COMM) < 1e-13

@@ -54,6 +54,11 @@ def as_array(a):
                     "pass a numpy array, a CuPy array or a torch tensor")
 
 
+def address(arr) -> int:
+    """The address of the first element of ``arr`` (an ``as_array`` result)."""
+    return arr.ctypes.data if isinstance(arr, np.ndarray) else arr.data.ptr
+
+
 def namespace(arr):
     """numpy or cupy, whichever owns ``arr`` (an ``as_array`` result)."""
     return np if isinstance(arr, np.ndarray) else _cupy()

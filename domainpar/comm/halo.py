@@ -21,6 +21,7 @@ left alone by both, which makes the pair exactly adjoint on the whole array.
 from __future__ import annotations
 
 import bisect
+import collections
 import dataclasses
 import os
 import time
@@ -248,6 +249,7 @@ class HaloExchange:
 # faster (``_Plan.execute``). Both put the same bytes on the wire, so ranks
 # need not agree on the choice.
 TUNING_CALLS = 3  # calls timed per way before a plan settles
+_KEPT_ADDRESSES = 4  # arrays per plan whose persistent requests are kept
 # "datatype" or "pack" skips the tuning and moves every eligible box that way.
 FORCED_WAY = os.environ.get("DOMAINPAR_HALO_WAY") or None
 
@@ -284,11 +286,12 @@ def _box_datatype(view) -> tuple[MPI.Datatype, int]:
 
 
 class _Plan:
-    """Buffers and datatypes of a HaloExchange for one dtype, memory layout and
-    device. Each box meets MPI the cheapest way: contiguous boxes straight from
-    and to the array, strided ones as derived datatypes or packed, whichever
-    the first calls found faster. Device arrays are packed on the device and staged through
-    pinned host memory unless MPI is CUDA-aware."""
+    """Buffers, datatypes and persistent requests of a HaloExchange for one
+    dtype, memory layout and device. Each box meets MPI the cheapest way:
+    contiguous boxes straight from and to the array, strided ones as derived
+    datatypes or packed, whichever the first calls found faster. Device arrays
+    are packed on the device and staged through pinned host memory unless MPI
+    is CUDA-aware."""
 
     def __init__(self, halo: HaloExchange, arr):
         self.comm = halo.grid.comm
@@ -305,19 +308,21 @@ class _Plan:
         self.choice = None
         if self.tunable and FORCED_WAY:
             self._settle(FORCED_WAY)
+        # persistent requests per (array address, direction, ways), newest last
+        self.requests: collections.OrderedDict = collections.OrderedDict()
 
     def _wire(self, arr, t: Transfer) -> _Wire:
         view = arr[t.box]
         if t.peer == self.rank:
             return _Wire(t, "local")
+        offset = buffers.address(view) - buffers.address(arr) if view.size else 0
         if view.flags.c_contiguous and not self.staged:
-            return _Wire(t, "direct")
+            return _Wire(t, "direct", offset=offset, span=view.size * self.itemsize)
         nbytes = view.size * self.itemsize
         buf = (buffers.pinned_empty(nbytes) if self.staged
                else buffers.empty((nbytes,), np.uint8, arr))
         if not self.device:
             datatype, span = _box_datatype(view)
-            offset = view.ctypes.data - arr.ctypes.data
             return _Wire(t, "datatype", buf=buf, datatype=datatype, offset=offset, span=span)
         return _Wire(t, "pack", buf=buf)
 
@@ -326,15 +331,17 @@ class _Plan:
         whole exchange under each way of moving the eligible boxes."""
         order = reversed(range(len(self.rounds))) if adjoint else range(len(self.rounds))
         if self.timings is None:
+            requests = self._persistent(arr, adjoint)
             for r in order:
-                self.run(arr, r, adjoint)
+                self.run(arr, r, adjoint, requests[r])
             return
         way = min(self.timings, key=lambda k: len(self.timings[k]))
         for w in self.tunable:
             w.mode = way
+        requests = self._persistent(arr, adjoint)
         t0 = time.perf_counter()
         for r in order:
-            self.run(arr, r, adjoint)
+            self.run(arr, r, adjoint, requests[r])
         self.timings[way].append(time.perf_counter() - t0)
         if all(len(v) >= TUNING_CALLS for v in self.timings.values()):
             self._settle(min(self.timings, key=lambda k: min(self.timings[k])))
@@ -346,42 +353,61 @@ class _Plan:
         for w in self.tunable:
             w.mode = way
 
-    def _message(self, arr, w: _Wire):
-        """The MPI message spec of ``w``'s box in ``arr`` (packing it first if needed)."""
+    def _message(self, address: int, w: _Wire, adjoint_recv: bool = False):
+        """The MPI message spec of ``w``'s box in the array at ``address``.
+
+        Boxes in the array are named by address, not by a view, so that the
+        persistent requests built on them keep no array alive."""
+        if adjoint_recv:  # an owned box receives a sum, never a copy
+            return w.sum_buf
         if w.mode == "direct":
-            return _bytes(arr[w.transfer.box])
+            return [MPI.buffer.fromaddress(address + w.offset, w.span), MPI.BYTE]
         if w.mode == "datatype":
-            return [MPI.buffer.fromaddress(arr.ctypes.data + w.offset, w.span), 1, w.datatype]
+            return [MPI.buffer.fromaddress(address + w.offset, w.span), 1, w.datatype]
         return w.buf
 
-    def run(self, arr, r: int, adjoint: bool) -> None:
+    def _persistent(self, arr, adjoint: bool):
+        """The persistent requests of every round for the array at this address
+        in this direction: built on first use, restarted on every later call.
+        A few addresses are kept (arrays are usually reused); older ones freed."""
+        address = buffers.address(arr)
+        key = (address, adjoint, tuple(w.mode for w in self.tunable))
+        found = self.requests.get(key)
+        if found is not None:
+            self.requests.move_to_end(key)
+            return found
+        tag = _TAG_ACCUMULATE if adjoint else _TAG_FILL
+        found = []
+        for sends, recvs in self.rounds:
+            if adjoint:  # ghosts travel back to their owners
+                sends, recvs = recvs, sends
+            for w in recvs:
+                if adjoint and w.mode != "local" and w.sum_buf is None:
+                    w.sum_buf = buffers.empty((arr[w.transfer.box].size * self.itemsize,),
+                                              np.uint8, arr)
+            found.append((
+                [self.comm.Recv_init(self._message(address, w, adjoint), w.transfer.peer, tag)
+                 for w in recvs if w.mode != "local"],
+                [self.comm.Send_init(self._message(address, w), w.transfer.peer, tag)
+                 for w in sends if w.mode != "local"]))
+        self.requests[key] = found
+        while len(self.requests) > _KEPT_ADDRESSES:
+            _free_requests(self.requests.popitem(last=False)[1])
+        return found
+
+    def run(self, arr, r: int, adjoint: bool, requests) -> None:
         sends, recvs = self.rounds[r]
         if adjoint:  # ghosts travel back to their owners
             sends, recvs = recvs, sends
-        tag = _TAG_ACCUMULATE if adjoint else _TAG_FILL
-        requests, unpacks = [], []
-        for w in recvs:
-            if w.mode == "local":
-                continue
-            box = w.transfer.box
-            if adjoint:  # an owned box receives a sum, never a copy
-                if w.sum_buf is None:
-                    w.sum_buf = buffers.empty((arr[box].size * self.itemsize,), np.uint8, arr)
-                requests.append(self.comm.Irecv(w.sum_buf, w.transfer.peer, tag))
-                unpacks.append((arr[box], w.sum_buf))
-                continue
-            requests.append(self.comm.Irecv(self._message(arr, w), w.transfer.peer, tag))
-            if w.mode == "pack":
-                unpacks.append((arr[box], w.buf))
+        recv_requests, send_requests = requests
+        MPI.Prequest.Startall(recv_requests)
         for w in sends:
             if w.mode == "pack":
                 self._pack(arr[w.transfer.box], w.buf)
         # On a GPU the array's producers and the pack kernels run asynchronously:
         # all of them must be done before MPI reads device memory.
         buffers.synchronize(arr)
-        for w in sends:
-            if w.mode != "local":
-                requests.append(self.comm.Isend(self._message(arr, w), w.transfer.peer, tag))
+        MPI.Prequest.Startall(send_requests)
         # Local copies pair up in the order messages would.
         local_sends = [arr[w.transfer.box] for w in sends if w.mode == "local"]
         local_recvs = [arr[w.transfer.box] for w in recvs if w.mode == "local"]
@@ -390,18 +416,27 @@ class _Plan:
                 dst += src
             else:
                 buffers.namespace(arr).copyto(dst, src)
-        MPI.Request.Waitall(requests)
-        for view, buf in unpacks:
-            self._unpack(view, buf, adjoint)
+        MPI.Request.Waitall(recv_requests + send_requests)
+        for w in recvs:
+            if w.mode == "local":
+                continue
+            if adjoint:
+                self._unpack(arr[w.transfer.box], w.sum_buf, True)
+            elif w.mode == "pack":
+                self._unpack(arr[w.transfer.box], w.buf, False)
         if adjoint:  # the ghosts fill writes start from zero again
             for w in sends:
                 arr[w.transfer.box][...] = 0
 
     def free(self) -> None:
-        """Release the plan's MPI datatypes (collective-free, local)."""
+        """Release the plan's MPI requests and datatypes (local)."""
+        if MPI.Is_finalized():
+            return
+        while self.requests:
+            _free_requests(self.requests.popitem()[1])
         for sends, recvs in self.rounds:
             for w in sends + recvs:
-                if w.datatype is not None and not MPI.Is_finalized():
+                if w.datatype is not None:
                     w.datatype.Free()
                     w.datatype = None
 
@@ -426,6 +461,7 @@ class _Plan:
             packing.unpack(view, buf, add=add)
 
 
-def _bytes(view):
-    """A contiguous array as a flat byte buffer for MPI (no copy)."""
-    return view.reshape(-1).view(np.uint8)
+def _free_requests(rounds) -> None:
+    for recv_requests, send_requests in rounds:
+        for request in recv_requests + send_requests:
+            request.Free()
