@@ -22,6 +22,7 @@ def wire_mode(request, monkeypatch):
     monkeypatch.setattr(halo_module, "FORCED_WAY",
                         None if request.param == "tuning" else request.param)
     monkeypatch.setattr(halo_module, "TUNING_CALLS", 1)
+    monkeypatch.setattr(halo_module, "RETUNE_EVERY", 2)
     return request.param
 
 
@@ -191,6 +192,8 @@ def test_many_arrays_through_one_plan(wire_mode):
     assert len(halo._plans) == 1
     (plan,) = halo._plans.values()
     assert len(plan.requests) <= halo_module._KEPT_ADDRESSES
+    if wire_mode == "tuning" and plan.tunable:  # settled, then looked again
+        assert plan.last_timings is not None
     rng = np.random.default_rng(COMM.Get_rank())
     for a in arrays:
         x, y = rng.standard_normal((2,) + halo.padded_shape)

@@ -113,6 +113,7 @@ def _run_case(grid, ndim, axis, face, width, block, repeats) -> dict:
         "padded_block_shape": list(halo.padded_shape), "width": width,
         "face_bytes": face_bytes, "repeats": reps,
         "fill_way": plan.choice or ("packed" if strided else "direct"),
+        "fill_tuning_s": plan.last_timings,
         "median_s": med, "samples_s": samples,
         "ratio_fill_to_sendrecv": med["fill"] / med["sendrecv"],
         "ratio_fill_to_subarray": med["fill"] / med["subarray"],

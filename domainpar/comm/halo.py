@@ -249,6 +249,7 @@ class HaloExchange:
 # faster (``_Plan.execute``). Both put the same bytes on the wire, so ranks
 # need not agree on the choice.
 TUNING_CALLS = 3  # calls timed per way before a plan settles
+RETUNE_EVERY = 500  # calls after which a settled plan times both ways again
 _KEPT_ADDRESSES = 4  # arrays per plan whose persistent requests are kept
 # "datatype" or "pack" skips the tuning and moves every eligible box that way.
 FORCED_WAY = os.environ.get("DOMAINPAR_HALO_WAY") or None
@@ -306,7 +307,10 @@ class _Plan:
         # calls timed per way while tuning; None once settled (or nothing to tune)
         self.timings = {"datatype": [], "pack": []} if self.tunable else None
         self.choice = None
-        if self.tunable and FORCED_WAY:
+        self.last_timings = None  # what the last tuning measured, for reports
+        self.calls_since_tuning = 0
+        self.forced = bool(self.tunable and FORCED_WAY)
+        if self.forced:
             self._settle(FORCED_WAY)
         # persistent requests per (array address, direction, ways), newest last
         self.requests: collections.OrderedDict = collections.OrderedDict()
@@ -329,27 +333,32 @@ class _Plan:
     def execute(self, arr, adjoint: bool) -> None:
         """Run every round (backwards for the adjoint); while tuning, time the
         whole exchange under each way of moving the eligible boxes."""
-        order = reversed(range(len(self.rounds))) if adjoint else range(len(self.rounds))
-        if self.timings is None:
-            requests = self._persistent(arr, adjoint)
-            for r in order:
-                self.run(arr, r, adjoint, requests[r])
-            return
-        way = min(self.timings, key=lambda k: len(self.timings[k]))
-        for w in self.tunable:
-            w.mode = way
+        tuning = self.timings is not None
+        if tuning:  # the way timed least so far
+            way = min(self.timings, key=lambda k: len(self.timings[k]))
+            for w in self.tunable:
+                w.mode = way
         requests = self._persistent(arr, adjoint)
+        order = reversed(range(len(self.rounds))) if adjoint else range(len(self.rounds))
         t0 = time.perf_counter()
         for r in order:
             self.run(arr, r, adjoint, requests[r])
-        self.timings[way].append(time.perf_counter() - t0)
-        if all(len(v) >= TUNING_CALLS for v in self.timings.values()):
-            self._settle(min(self.timings, key=lambda k: min(self.timings[k])))
+        if tuning:
+            self.timings[way].append(time.perf_counter() - t0)
+            if all(len(v) >= TUNING_CALLS for v in self.timings.values()):
+                self._settle(min(self.timings, key=lambda k: min(self.timings[k])))
+        elif self.choice is not None and not self.forced:
+            # The faster way can change as memory and neighbours change: look again
+            # now and then (a few calls in the slower way, well under 1% of calls).
+            self.calls_since_tuning += 1
+            if self.calls_since_tuning >= RETUNE_EVERY:
+                self.timings = {"datatype": [], "pack": []}
 
     def _settle(self, way: str) -> None:
         if way not in ("datatype", "pack"):
             raise LayoutError(f"DOMAINPAR_HALO_WAY={way!r}: use 'datatype' or 'pack'")
-        self.choice, self.timings = way, None
+        self.choice, self.last_timings, self.timings = way, self.timings, None
+        self.calls_since_tuning = 0
         for w in self.tunable:
             w.mode = way
 
