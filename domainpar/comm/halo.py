@@ -240,14 +240,13 @@ class HaloExchange:
 
 
 # A strided box can go to MPI as a derived datatype straight from the array
-# (MPI copies it through its own pipelined buffers) or through the C pack
-# kernels. Neither always wins: on 2 ranks here (`domainpar bench halo`)
-# datatypes were 1.3-1.6x faster for 2-8 KiB rows and 1.1x for 4-byte rows of
-# faces of 4 MiB and more, but 1.7x slower for 4-byte rows of 1 MiB faces, and
-# from one run to the next the order flipped with the state of memory. So a
-# plan with strided boxes times both ways on its first calls and keeps the
-# faster (``_Plan.execute``). Both put the same bytes on the wire, so ranks
-# need not agree on the choice.
+# (MPI copies it through its own pipelined buffers) or through the pack kernels.
+# Neither always wins: on 2 ranks here (`domainpar bench halo`) datatypes were
+# up to 1.7x faster on some faces and 2-3.5x slower on others, and for one and
+# the same 16 MiB face took 5 ms in one process and 18 ms in the next, against
+# a steady 7 ms packed. So a plan with strided boxes times both ways on its
+# first calls, keeps the faster, and looks again every RETUNE_EVERY calls.
+# Both put the same bytes on the wire, so ranks need not agree on the choice.
 TUNING_CALLS = 3  # calls timed per way before a plan settles
 RETUNE_EVERY = 500  # calls after which a settled plan times both ways again
 _KEPT_ADDRESSES = 4  # arrays per plan whose persistent requests are kept
