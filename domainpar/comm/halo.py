@@ -319,9 +319,9 @@ class _Plan:
         if t.peer == self.rank:
             return _Wire(t, "local")
         offset = buffers.address(view) - buffers.address(arr) if view.size else 0
-        if view.flags.c_contiguous and not self.staged:
-            return _Wire(t, "direct", offset=offset, span=view.size * self.itemsize)
         nbytes = view.size * self.itemsize
+        if view.flags.c_contiguous and not self.staged:
+            return _Wire(t, "direct", offset=offset, span=nbytes)
         buf = (buffers.pinned_empty(nbytes) if self.staged
                else buffers.empty((nbytes,), np.uint8, arr))
         if not self.device:
@@ -386,9 +386,8 @@ class _Plan:
             return found
         tag = _TAG_ACCUMULATE if adjoint else _TAG_FILL
         found = []
-        for sends, recvs in self.rounds:
-            if adjoint:  # ghosts travel back to their owners
-                sends, recvs = recvs, sends
+        for r in range(len(self.rounds)):
+            sends, recvs = self._directed(r, adjoint)
             for w in recvs:
                 if adjoint and w.mode != "local" and w.sum_buf is None:
                     w.sum_buf = buffers.empty((arr[w.transfer.box].size * self.itemsize,),
@@ -403,10 +402,14 @@ class _Plan:
             _free_requests(self.requests.popitem(last=False)[1])
         return found
 
-    def run(self, arr, r: int, adjoint: bool, requests) -> None:
+    def _directed(self, r: int, adjoint: bool):
+        """(sending wires, receiving wires) of round ``r``; for the adjoint the
+        roles swap: ghosts travel back to their owners."""
         sends, recvs = self.rounds[r]
-        if adjoint:  # ghosts travel back to their owners
-            sends, recvs = recvs, sends
+        return (recvs, sends) if adjoint else (sends, recvs)
+
+    def run(self, arr, r: int, adjoint: bool, requests) -> None:
+        sends, recvs = self._directed(r, adjoint)
         recv_requests, send_requests = requests
         MPI.Prequest.Startall(recv_requests)
         for w in sends:
