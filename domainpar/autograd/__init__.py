@@ -1,0 +1,75 @@
+"""Autograd Functions for the communication primitives (one per primitive,
+forward and adjoint side by side) and functional forms of them.
+
+The functional forms skip the Function when nothing needs a gradient and the
+primitive is the identity (``broadcast``) or when the layouts already agree
+(``repartition``).
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+from mpi4py import MPI
+
+from ..comm import HaloExchange
+from ..comm.decomposition import Decomposition
+from .primitives import (Allgather, AllreduceSum, Broadcast, Gather, HaloAccumulate, HaloFill,
+                         Repartition, Scatter, Shard, allreduce_tensor)
+
+
+def halo_fill(padded: torch.Tensor, halo: HaloExchange) -> torch.Tensor:
+    """Neighbour-wise collective. ``padded`` with its ghosts filled (a new tensor)."""
+    return HaloFill.apply(padded, halo)
+
+
+def halo_accumulate(padded: torch.Tensor, halo: HaloExchange) -> torch.Tensor:
+    """Neighbour-wise collective. The adjoint of ``halo_fill`` (a new tensor)."""
+    return HaloAccumulate.apply(padded, halo)
+
+
+def allreduce_sum(partial: torch.Tensor, comm: MPI.Comm) -> torch.Tensor:
+    """Collective over ``comm``. Partial values summed into a replicated value."""
+    return AllreduceSum.apply(partial, comm)
+
+
+def broadcast(replicated: torch.Tensor, comm: MPI.Comm,
+              defer: Callable[[torch.Tensor], None] | None = None) -> torch.Tensor:
+    """A replicated value entering per-rank work; backward sums over ``comm``
+    (collective) or hands the partial gradient to ``defer``."""
+    if comm.Get_size() == 1 and defer is None:
+        return replicated
+    return Broadcast.apply(replicated, comm, defer)
+
+
+def scatter(global_or_placeholder: torch.Tensor, dec: Decomposition, root: int = 0):
+    """Collective. The root's tensor cut into blocks (others pass a placeholder)."""
+    return Scatter.apply(global_or_placeholder, dec, root)
+
+
+def gather(block: torch.Tensor, dec: Decomposition, root: int = 0) -> torch.Tensor:
+    """Collective. The global tensor on ``root``; an empty tensor elsewhere."""
+    return Gather.apply(block, dec, root)
+
+
+def allgather(block: torch.Tensor, dec: Decomposition) -> torch.Tensor:
+    """Collective. The global tensor, replicated on every rank."""
+    return Allgather.apply(block, dec)
+
+
+def shard(replicated: torch.Tensor, dec: Decomposition) -> torch.Tensor:
+    """Local (collective in backward). This rank's block of a replicated tensor."""
+    return Shard.apply(replicated, dec)
+
+
+def repartition(block: torch.Tensor, src: Decomposition, dst: Decomposition) -> torch.Tensor:
+    """Collective. ``block`` moved from layout ``src`` to layout ``dst``."""
+    if src == dst:
+        return block
+    return Repartition.apply(block, src, dst)
+
+
+__all__ = ["Allgather", "AllreduceSum", "Broadcast", "Gather", "HaloAccumulate", "HaloFill",
+           "Repartition", "Scatter", "Shard", "allgather", "allreduce_sum", "allreduce_tensor",
+           "broadcast", "gather", "halo_accumulate", "halo_fill", "repartition", "scatter",
+           "shard"]

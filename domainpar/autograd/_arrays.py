@@ -1,0 +1,41 @@
+"""Torch tensors to and from the arrays the comm layer speaks (numpy, CuPy).
+
+Both directions are zero-copy: a CPU tensor is a numpy view, a CUDA tensor a
+CuPy view (DLPack), and a comm result comes back as a tensor on the same device
+sharing its memory. Autograd never sees these: the Functions in ``primitives``
+call them on detached data inside ``forward`` and ``backward``.
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from ..comm import buffers
+
+
+def to_array(t: torch.Tensor):
+    """A numpy or CuPy view of ``t``'s data (made contiguous first if needed)."""
+    t = t.detach()
+    if not t.is_contiguous():
+        t = t.contiguous()
+    if t.dtype == torch.bool:  # DLPack has bool, but numpy's from_dlpack may not
+        return buffers.as_array(t.view(torch.uint8)).view(np.bool_)
+    if t.dtype == torch.bfloat16:  # no numpy dtype: travels as its 2-byte pattern
+        return buffers.as_array(t.view(torch.int16))
+    return buffers.as_array(t)
+
+
+def from_array(a, like: torch.Tensor) -> torch.Tensor:
+    """The comm result ``a`` as a tensor with ``like``'s dtype and device."""
+    if isinstance(a, np.ndarray):
+        if like.dtype == torch.bool:
+            out = torch.from_numpy(np.ascontiguousarray(a).view(np.uint8)).view(torch.bool)
+        elif like.dtype == torch.bfloat16:
+            out = torch.from_numpy(np.ascontiguousarray(a)).view(torch.bfloat16)
+        else:
+            out = torch.from_numpy(a)
+    else:
+        out = torch.from_dlpack(a)
+        if like.dtype == torch.bfloat16:
+            out = out.view(torch.bfloat16)
+    return out.to(like.device)

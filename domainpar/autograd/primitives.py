@@ -1,0 +1,208 @@
+"""One torch.autograd.Function per communication primitive, forward and adjoint
+side by side.
+
+Every Function here works on plain local tensors (a rank's block, or a value
+replicated on every rank) and takes the layout it needs (a Decomposition, a
+HaloExchange or a communicator) as a non-tensor argument. The primitives come
+in adjoint pairs, and each one's ``backward`` is its partner's ``forward``:
+
+=========================  ==========================================
+forward                    backward (the adjoint)
+=========================  ==========================================
+HaloFill                   halo accumulate (HaloAccumulate's forward)
+AllreduceSum -> replicated identity (Broadcast's forward)
+Broadcast (replicated in)  allreduce-sum (AllreduceSum's forward)
+Scatter  (root -> blocks)  gatherv to the root (Gather's forward)
+Gather   (blocks -> root)  scatterv from the root
+Allgather (-> replicated)  slice this rank's block (Shard's forward)
+Shard (replicated -> blk)  allgatherv (Allgather's forward)
+Repartition src -> dst     repartition dst -> src
+=========================  ==========================================
+
+A value is *replicated* when every rank of the communicator holds the same
+copy; its gradient is one logical gradient, held (identically) by every rank,
+and never multiplied by the number of ranks (DESIGN.md, "Autograd semantics").
+Inner products for the adjoint tests count a replicated value once and a
+distributed one as the sum over blocks (``domainpar.testing.adjoint_test``).
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+from mpi4py import MPI
+
+from ..comm import HaloExchange, collectives
+from ..comm.decomposition import Decomposition
+from ._arrays import from_array, to_array
+
+# MPI has no arithmetic on half types: they are reduced in float32.
+_WIDENED = {torch.float16: torch.float32, torch.bfloat16: torch.float32}
+
+
+def _contiguous_copy(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().clone(memory_format=torch.contiguous_format)
+
+
+def allreduce_tensor(t: torch.Tensor, comm: MPI.Comm, op: str = "sum") -> torch.Tensor:
+    """Collective over ``comm``. A new tensor: ``t`` reduced elementwise with ``op``
+    over the ranks of ``comm``. Not differentiable (a building block)."""
+    if comm.Get_size() == 1:
+        return _contiguous_copy(t)
+    wide = _WIDENED.get(t.dtype)
+    out = t.detach().to(wide, memory_format=torch.contiguous_format, copy=True) if wide \
+        else _contiguous_copy(t)
+    collectives.allreduce(to_array(out), comm, op)
+    return out.to(t.dtype) if wide else out
+
+
+# -- halo fill / accumulate -------------------------------------------------------------
+class HaloFill(torch.autograd.Function):
+    """Neighbour-wise collective. Ghost cells of a padded block get the owners'
+    values. Adjoint: ghosts are sent back, added to the owners, and zeroed."""
+
+    @staticmethod
+    def forward(ctx, padded: torch.Tensor, halo: HaloExchange):
+        ctx.halo = halo
+        out = _contiguous_copy(padded)
+        halo.fill(to_array(out), check=False)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        return HaloAccumulate.apply(grad, ctx.halo), None
+
+
+class HaloAccumulate(torch.autograd.Function):
+    """Neighbour-wise collective. The adjoint of HaloFill (and HaloFill its adjoint)."""
+
+    @staticmethod
+    def forward(ctx, padded: torch.Tensor, halo: HaloExchange):
+        ctx.halo = halo
+        out = _contiguous_copy(padded)
+        halo.accumulate(to_array(out), check=False)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        return HaloFill.apply(grad, ctx.halo), None
+
+
+# -- allreduce to a replicated value / broadcast of a replicated value -------------------
+class AllreduceSum(torch.autograd.Function):
+    """Collective over ``comm``. Per-rank partial values summed into one value
+    replicated on every rank. Backward: identity, since the replicated upstream
+    gradient is one logical gradient, which every partial receives whole."""
+
+    @staticmethod
+    def forward(ctx, partial: torch.Tensor, comm: MPI.Comm):
+        ctx.comm = comm
+        return allreduce_tensor(partial, comm, "sum")
+
+    @staticmethod
+    def backward(ctx, grad):
+        return Broadcast.apply(grad, ctx.comm, None), None
+
+
+class Broadcast(torch.autograd.Function):
+    """Local forward, collective backward over ``comm``. A replicated value (a
+    parameter, say) entering per-rank computations: the identity forward, and
+    the sum of the per-rank partial gradients backward.
+
+    ``defer``, when given, receives the partial gradient instead and the
+    Function returns none: DomainParallel reduces it later, bucketed.
+    """
+
+    @staticmethod
+    def forward(ctx, replicated: torch.Tensor, comm: MPI.Comm,
+                defer: Callable[[torch.Tensor], None] | None):
+        ctx.comm, ctx.defer = comm, defer
+        return replicated.view_as(replicated)
+
+    @staticmethod
+    def backward(ctx, grad):
+        if ctx.defer is not None:
+            ctx.defer(grad)
+            return None, None, None
+        return AllreduceSum.apply(grad, ctx.comm), None, None
+
+
+# -- scatter / gather between one root and the blocks ------------------------------------
+class Scatter(torch.autograd.Function):
+    """Collective. The root's global tensor cut into every rank's block. Other
+    ranks pass a placeholder with the right dtype and device (and the root's
+    requires_grad, so that every rank takes part in backward). Adjoint: Gather."""
+
+    @staticmethod
+    def forward(ctx, global_or_placeholder: torch.Tensor, dec: Decomposition, root: int):
+        ctx.dec, ctx.root = dec, root
+        like = global_or_placeholder
+        mine = to_array(like) if dec.grid.rank == root else None
+        return from_array(collectives.scatterv(mine, dec, root), like)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return Gather.apply(grad, ctx.dec, ctx.root), None, None
+
+
+class Gather(torch.autograd.Function):
+    """Collective. Every block assembled into the global tensor on ``root``; the
+    other ranks get an empty tensor. Adjoint: Scatter."""
+
+    @staticmethod
+    def forward(ctx, block: torch.Tensor, dec: Decomposition, root: int):
+        ctx.dec, ctx.root = dec, root
+        out = collectives.gatherv(to_array(block), dec, root)
+        if out is None:
+            return block.new_empty((0,))
+        return from_array(out, block)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return Scatter.apply(grad, ctx.dec, ctx.root), None, None
+
+
+# -- allgather to a replicated tensor / shard of a replicated tensor ---------------------
+class Allgather(torch.autograd.Function):
+    """Collective. Every block assembled into the global tensor, replicated on
+    every rank. Adjoint: Shard (each rank keeps its block of the one logical
+    gradient)."""
+
+    @staticmethod
+    def forward(ctx, block: torch.Tensor, dec: Decomposition):
+        ctx.dec = dec
+        return from_array(collectives.allgatherv(to_array(block), dec), block)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return Shard.apply(grad, ctx.dec), None
+
+
+class Shard(torch.autograd.Function):
+    """Local forward, collective backward. A replicated global tensor cut to this
+    rank's block (no message). Adjoint: Allgather, which assembles the blocks'
+    gradients into the replicated tensor's gradient."""
+
+    @staticmethod
+    def forward(ctx, replicated: torch.Tensor, dec: Decomposition):
+        ctx.dec = dec
+        return _contiguous_copy(replicated[dec.local_slices()])
+
+    @staticmethod
+    def backward(ctx, grad):
+        return Allgather.apply(grad.contiguous(), ctx.dec), None
+
+
+# -- repartition ----------------------------------------------------------------------------
+class Repartition(torch.autograd.Function):
+    """Collective. A block laid out by ``src`` moved into the layout ``dst`` of
+    the same global shape (alltoallv). Adjoint: the reverse repartition."""
+
+    @staticmethod
+    def forward(ctx, block: torch.Tensor, src: Decomposition, dst: Decomposition):
+        ctx.src, ctx.dst = src, dst
+        return from_array(collectives.repartition(to_array(block), src, dst), block)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return Repartition.apply(grad.contiguous(), ctx.dst, ctx.src), None, None

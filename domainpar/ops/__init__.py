@@ -1,0 +1,3 @@
+"""Domain-parallel op families. Importing this package registers their rules in
+the dispatch table (``domainpar.tensor.dispatch``)."""
+from . import pointwise, reduce  # noqa: F401

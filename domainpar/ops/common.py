@@ -1,0 +1,94 @@
+"""Shared by the op families: how operands of an elementwise (broadcasting) op
+are brought onto one layout, and how results are wrapped.
+
+The output layout is that of the *lead* operand: the first DomainTensor with
+the most dims. Every other operand is brought onto it:
+
+- a DomainTensor laid out differently (other block boundaries, other sharded
+  dims) is repartitioned onto the output's blocks; blocks are never paired
+  row by row;
+- a plain (replicated) tensor is cut to the block along the dims where it has
+  the full global size and broadcast along the others, with the gradient sum
+  over ranks that this implies (``tensor.params.enter_domain``).
+"""
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import torch
+from torch.utils import _pytree as pytree
+
+from .. import autograd as ag
+from ..comm.decomposition import Decomposition
+from ..tensor import layout
+from ..tensor.dispatch import UnsupportedOpError, domain_tensors, op_name, same_grid
+from ..tensor.domain_tensor import DomainTensor
+from ..tensor.params import enter_domain
+
+
+def output_layout(func: Any, operands: Sequence[Any]) -> tuple[Decomposition, tuple[int, ...]]:
+    """The output decomposition and global shape of a broadcasting op."""
+    dts = [a for a in operands if isinstance(a, DomainTensor)]
+    same_grid(func, dts)
+    shapes = [tuple(a.shape) for a in operands if isinstance(a, torch.Tensor)]
+    out_shape = tuple(torch.broadcast_shapes(*shapes))
+    lead = max(dts, key=lambda t: t.ndim)  # max keeps the first of equal ndim
+    offset = len(out_shape) - lead.ndim
+    shard, sizes = {}, {}
+    for d, axis in lead._dec.shard.items():
+        if lead._dec.global_shape[d] == out_shape[d + offset]:
+            shard[d + offset], sizes[d + offset] = axis, lead._dec.block_sizes(d)
+    return layout.derive(lead._dec, out_shape, shard, sizes), out_shape
+
+
+def aligned_dims(a: torch.Tensor, out_dec: Decomposition) -> dict[int, int]:
+    """``{a_dim: out_dim}`` for the output's sharded dims where ``a`` (aligned from
+    the right, numpy broadcasting) has the full global size."""
+    offset = out_dec.ndim - a.ndim
+    return {od - offset: od for od in out_dec.shard
+            if od - offset >= 0 and a.shape[od - offset] == out_dec.global_shape[od]}
+
+
+def onto(a: Any, out_dec: Decomposition) -> Any:
+    """Operand ``a`` as this rank's local tensor for an output laid out by ``out_dec``."""
+    if isinstance(a, DomainTensor):
+        dims = aligned_dims(a, out_dec)
+        target = layout.derive(a._dec, a._dec.global_shape,
+                               {ad: out_dec.shard[od] for ad, od in dims.items()},
+                               {ad: out_dec.block_sizes(od) for ad, od in dims.items()})
+        return ag.repartition(a._local, a._dec, target)
+    if isinstance(a, torch.Tensor):
+        return enter_domain(a, out_dec, aligned_dims(a, out_dec))
+    return a
+
+
+def wrap(func: Any, out: Any, out_dec: Decomposition) -> Any:
+    """Wrap every tensor in ``out`` (a tensor or nested tuple) as a DomainTensor."""
+    def one(o):
+        if isinstance(o, torch.Tensor) and not isinstance(o, DomainTensor):
+            if tuple(o.shape) != out_dec.local_shape():
+                raise UnsupportedOpError(
+                    f"{op_name(func)}: a result block of shape {tuple(o.shape)} does not match "
+                    f"the output layout {out_dec}; this op is not elementwise")
+            return DomainTensor(o, out_dec)
+        return o
+    return pytree.tree_map(one, out)
+
+
+def first_domain_tensor(args, kwargs=None) -> DomainTensor:
+    return domain_tensors(args, kwargs)[0]
+
+
+def normalize_dims(dim, ndim: int) -> tuple[int, ...]:
+    """``dim`` (None, an int or a sequence; None or empty = all) as sorted
+    non-negative dims."""
+    if dim is None or (isinstance(dim, (tuple, list)) and len(dim) == 0):
+        return tuple(range(ndim))
+    dims = (dim,) if isinstance(dim, int) else tuple(dim)
+    out = []
+    for d in dims:
+        if not -max(ndim, 1) <= d < max(ndim, 1):
+            raise IndexError(f"Dimension out of range (expected to be in range of "
+                             f"[{-ndim}, {ndim - 1}], but got {d})")
+        out.append(d % max(ndim, 1))
+    return tuple(sorted(set(out)))

@@ -1,0 +1,312 @@
+"""Reductions: sum, mean, amax, amin, max, min, var, std, norm, logsumexp, all, any.
+
+Over unsharded dims a reduction is local and keeps the layout. Over sharded
+dims each rank reduces its block, the partial results are combined over the
+communicator of those dims' grid axes, and the result is replicated along them:
+a plain tensor when no sharded dim remains, else a DomainTensor sharded on the
+dims that remain. Backward follows DESIGN.md: a replicated result's gradient
+is one logical gradient and reaches every block whole (AllreduceSum's adjoint
+is the identity).
+
+How each combines so that values and gradients equal one process:
+
+- sum, mean: allreduce of block sums.
+- amax, amin, max(), min(): allreduce max/min of block extrema; the gradient is
+  spread evenly over all elements equal to the extremum, across ranks, as torch
+  does, by adding a term that is exactly zero in value and carries that gradient.
+- var, std: two passes, the global mean first, then the allreduced sum of squared
+  deviations from it (never E[x^2] - E[x]^2).
+- norm: block norms are themselves combined with the same norm (every p-norm of
+  a vector is the p-norm of the p-norms of its pieces); torch's own norm then
+  provides the gradient, zero vectors included. inf norms go through amax.
+- logsumexp: with the global maximum as the shift.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+from mpi4py import MPI
+
+from .. import autograd as ag
+from ..tensor import layout
+from ..tensor.dispatch import UnsupportedOpError, op_name, register
+from ..tensor.domain_tensor import DomainTensor
+from .common import normalize_dims
+from .pointwise import elementwise
+
+T = torch.Tensor
+
+
+# -- the shared skeleton -------------------------------------------------------------------
+def _bind(func, args, kwargs, names, defaults):
+    """``args``/``kwargs`` of a torch reduction bound to ``names`` (first: input)."""
+    given = dict(zip(names, args))
+    for k, v in kwargs.items():
+        if k in given:
+            raise TypeError(f"{op_name(func)} got multiple values for argument {k!r}")
+        given[k] = v
+    unknown = set(given) - set(names)
+    if unknown:
+        raise UnsupportedOpError(f"{op_name(func)}: arguments {sorted(unknown)} are not "
+                                 f"supported on DomainTensors")
+    return [given.get(n, defaults.get(n)) for n in names]
+
+
+def _comm(x: DomainTensor, dims):
+    return layout.comm_of(x._dec, dims)
+
+
+def _combine_sum(part: torch.Tensor, comm: MPI.Comm) -> torch.Tensor:
+    return part if comm.Get_size() == 1 else ag.allreduce_sum(part, comm)
+
+
+def _finish(x: DomainTensor, part: torch.Tensor, dims, keepdim: bool):
+    """The combined block result ``part`` (reduced dims kept, size 1) as the op's result."""
+    dec = x._dec
+    dims = set(dims)
+    kept = [d for d in range(dec.ndim) if d not in dims]
+    remaining = {d: a for d, a in dec.shard.items() if d not in dims}
+    if keepdim:
+        shape = [1 if d in dims else n for d, n in enumerate(dec.global_shape)]
+        new_dim = {d: d for d in remaining}
+    else:
+        part = part.reshape([part.shape[d] for d in kept])
+        shape = [dec.global_shape[d] for d in kept]
+        new_dim = {d: kept.index(d) for d in remaining}
+    if not remaining:
+        return part
+    out_dec = layout.derive(dec, shape, {new_dim[d]: a for d, a in remaining.items()},
+                            {new_dim[d]: dec.block_sizes(d) for d in remaining})
+    return DomainTensor(part, out_dec)
+
+
+def _keep_shape(local: torch.Tensor, dims) -> list[int]:
+    return [1 if d in dims else n for d, n in enumerate(local.shape)]
+
+
+def _lowest(dtype):
+    return -math.inf if dtype.is_floating_point else torch.iinfo(dtype).min
+
+
+def _highest(dtype):
+    return math.inf if dtype.is_floating_point else torch.iinfo(dtype).max
+
+
+def _needs_grad(t: torch.Tensor) -> bool:
+    return t.requires_grad and torch.is_grad_enabled()
+
+
+# -- sum, mean -------------------------------------------------------------------------------
+def global_sum(x: DomainTensor, dims, keepdim=False, dtype=None):
+    part = x._local.sum(dim=dims, keepdim=True, dtype=dtype)
+    return _finish(x, _combine_sum(part, _comm(x, dims)), dims, keepdim)
+
+
+@register(torch.sum, T.sum, torch.nansum, T.nansum)
+def _sum(func, args, kwargs):
+    x, dim, keepdim, dtype = _bind(func, args, kwargs, ("input", "dim", "keepdim", "dtype"), {})
+    dims = normalize_dims(dim, x.ndim)
+    part = func(x._local, dim=dims, keepdim=True, dtype=dtype)
+    return _finish(x, _combine_sum(part, _comm(x, dims)), dims, bool(keepdim))
+
+
+@register(torch.mean, T.mean)
+def _mean(func, args, kwargs):
+    x, dim, keepdim, dtype = _bind(func, args, kwargs, ("input", "dim", "keepdim", "dtype"), {})
+    if not (x.dtype.is_floating_point or x.dtype.is_complex) and dtype is None:
+        return func(x._local, dim, keepdim)  # torch's own error for integer input
+    dims = normalize_dims(dim, x.ndim)
+    count = math.prod(x.shape[d] for d in dims)
+    part = x._local.sum(dim=dims, keepdim=True, dtype=dtype)
+    return _finish(x, _combine_sum(part, _comm(x, dims)) / count, dims, bool(keepdim))
+
+
+# -- extrema ---------------------------------------------------------------------------------
+def global_extremum(x: DomainTensor, dims, keepdim: bool, op: str):
+    """amax (op='max') or amin (op='min') over ``dims``, with torch's gradient."""
+    local, comm = x._local, _comm(x, dims)
+    if any(local.shape[d] == 0 for d in dims):
+        fill = _lowest(local.dtype) if op == "max" else _highest(local.dtype)
+        part = torch.full(_keep_shape(local, dims), fill, dtype=local.dtype, device=local.device)
+    else:
+        part = (local.amax if op == "max" else local.amin)(dim=dims, keepdim=True)
+    m = ag.allreduce_tensor(part, comm, op) if comm.Get_size() > 1 else part.detach()
+    if not _needs_grad(local):
+        return _finish(x, m, dims, keepdim)
+    # Value m exactly; gradient g / count to each element equal to the extremum.
+    mask = local == m
+    count = ag.allreduce_tensor(mask.sum(dim=dims, keepdim=True), comm, "sum").to(local.dtype)
+    shift = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+    zero = torch.where(mask, local - shift, torch.zeros_like(local)).sum(dim=dims, keepdim=True)
+    return _finish(x, m + _combine_sum(zero / count.clamp_min(1), comm), dims, keepdim)
+
+
+@register(torch.amax, T.amax, torch.amin, T.amin)
+def _amax_amin(func, args, kwargs):
+    x, dim, keepdim = _bind(func, args, kwargs, ("input", "dim", "keepdim"), {"dim": ()})
+    dims = normalize_dims(dim, x.ndim)
+    return global_extremum(x, dims, bool(keepdim), "max" if "max" in func.__name__ else "min")
+
+
+@register(torch.max, T.max, torch.min, T.min)
+def _max_min(func, args, kwargs):
+    names = ("input", "dim", "keepdim")
+    if len(args) > 1 and isinstance(args[1], torch.Tensor) or "other" in kwargs:
+        return elementwise(func, args, kwargs)  # torch.max(a, b): elementwise
+    x, dim, keepdim = _bind(func, args, kwargs, names, {})
+    op = "max" if "max" in func.__name__ else "min"
+    if dim is None:
+        return global_extremum(x, normalize_dims(None, x.ndim), False, op)
+    return _extremum_with_index(func, x, normalize_dims(dim, x.ndim)[0], bool(keepdim), op)
+
+
+def _extremum_with_index(func, x: DomainTensor, dim: int, keepdim: bool, op: str):
+    """max/min along one dim: values and global indices (the first index of the
+    extremum, as torch returns on CPU), gradient to that element only."""
+    local, dec = x._local, x._dec
+    result_type = torch.return_types.max if op == "max" else torch.return_types.min
+    if dim not in dec.shard:
+        values, indices = func(local, dim, True)
+        return result_type((_finish(x, values, (dim,), keepdim),
+                            _finish(x, indices, (dim,), keepdim)))
+    comm = _comm(x, (dim,))
+    keep = _keep_shape(local, (dim,))
+    if local.shape[dim] == 0:
+        fill = _lowest(local.dtype) if op == "max" else _highest(local.dtype)
+        values = torch.full(keep, fill, dtype=local.dtype, device=local.device)
+        indices = torch.zeros(keep, dtype=torch.long, device=local.device)
+    else:
+        values, indices = func(local, dim, True)
+    best = ag.allreduce_tensor(values, comm, op)
+    big = torch.iinfo(torch.long).max
+    candidate = torch.where(values == best, indices + dec.offsets()[dim],
+                            torch.full_like(indices, big))
+    winner = ag.allreduce_tensor(candidate, comm, "min")
+    out = best
+    if _needs_grad(local):
+        mine = (candidate == winner) & (values == best)
+        shift = torch.where(torch.isfinite(best), best, torch.zeros_like(best))
+        zero = torch.where(mine, values - shift, torch.zeros_like(values))
+        out = best + _combine_sum(zero, comm)
+    return result_type((_finish(x, out, (dim,), keepdim), _finish(x, winner, (dim,), keepdim)))
+
+
+# -- var, std ---------------------------------------------------------------------------------
+def global_var(x: DomainTensor, dims, correction, keepdim: bool):
+    local, comm = x._local, _comm(x, dims)
+    count = math.prod(x.shape[d] for d in dims)
+    mean = _combine_sum(local.sum(dim=dims, keepdim=True), comm) / count
+    # The replicated mean enters every block's computation: its gradient is the
+    # sum of the blocks' contributions (Broadcast), not just this block's.
+    dev = local - ag.broadcast(mean, comm)
+    square = (dev.real ** 2 + dev.imag ** 2) if dev.is_complex() else dev * dev
+    m2 = _combine_sum(square.sum(dim=dims, keepdim=True), comm)
+    return m2 / max(count - correction, 0), mean
+
+
+def _var_args(func, args, kwargs):
+    """torch.var's signatures: (x, dim=None, *, correction=1, keepdim=False),
+    (x, dim, unbiased, keepdim=False) and (x, unbiased)."""
+    x, rest = args[0], list(args[1:])
+    kwargs = dict(kwargs)
+    dim = kwargs.pop("dim", None)
+    if rest and isinstance(rest[0], bool):
+        kwargs["unbiased"] = rest.pop(0)
+    elif rest:
+        dim = rest.pop(0)
+    if rest:
+        kwargs["unbiased" if isinstance(rest[0], bool) and len(rest) > 1 else "keepdim"] = \
+            rest.pop(0)
+    if rest:
+        kwargs["keepdim"] = rest.pop(0)
+    correction = kwargs.pop("correction", None)
+    unbiased = kwargs.pop("unbiased", None)
+    keepdim = bool(kwargs.pop("keepdim", False))
+    if kwargs:
+        raise UnsupportedOpError(f"{op_name(func)}: arguments {sorted(kwargs)} are not supported "
+                                 f"on DomainTensors")
+    if correction is None:
+        correction = 1 if unbiased is None else int(bool(unbiased))
+    return x, normalize_dims(dim, x.ndim), correction, keepdim
+
+
+@register(torch.var, T.var, torch.std, T.std, torch.var_mean, torch.std_mean)
+def _var_std(func, args, kwargs):
+    x, dims, correction, keepdim = _var_args(func, args, kwargs)
+    var, mean = global_var(x, dims, correction, keepdim)
+    out = var.sqrt() if func.__name__.startswith("std") else var
+    if func.__name__.endswith("_mean"):
+        return _finish(x, out, dims, keepdim), _finish(x, mean, dims, keepdim)
+    return _finish(x, out, dims, keepdim)
+
+
+# -- norms --------------------------------------------------------------------------------------
+def global_vector_norm(x: DomainTensor, ord, dims, keepdim: bool, dtype=None):
+    local = x._local if dtype is None else x._local.to(dtype)
+    if ord in (math.inf, -math.inf):
+        ax = DomainTensor(local.abs(), x._dec)
+        return global_extremum(ax, dims, keepdim, "max" if ord > 0 else "min")
+    comm = _comm(x, dims)
+    keep = _keep_shape(local, dims)
+    if any(local.shape[d] == 0 for d in dims):
+        part = torch.zeros(keep, dtype=local.abs().dtype, device=local.device)
+    else:
+        part = torch.linalg.vector_norm(local, ord, dims, keepdim=True)
+    if comm.Get_size() == 1:
+        return _finish(x, part, dims, keepdim)
+    if ord == 0:  # a count: the pieces add up
+        return _finish(x, _combine_sum(part, comm), dims, keepdim)
+    # Every rank puts its block norm in its slot; the sum replicates the stack.
+    slot, n = comm.Get_rank(), comm.Get_size()
+    pad = part.new_zeros((1,) + tuple(part.shape))
+    stack = torch.cat([pad.expand(slot, *part.shape), part[None],
+                       pad.expand(n - slot - 1, *part.shape)])
+    stack = _combine_sum(stack, comm)
+    return _finish(x, torch.linalg.vector_norm(stack, ord, 0), dims, keepdim)
+
+
+@register(torch.linalg.vector_norm)
+def _vector_norm(func, args, kwargs):
+    x, ord, dim, keepdim, dtype = _bind(func, args, kwargs,
+                                        ("input", "ord", "dim", "keepdim", "dtype"), {"ord": 2})
+    return global_vector_norm(x, float(ord), normalize_dims(dim, x.ndim), bool(keepdim), dtype)
+
+
+@register(torch.norm, T.norm)
+def _norm(func, args, kwargs):
+    x, p, dim, keepdim, dtype = _bind(func, args, kwargs,
+                                      ("input", "p", "dim", "keepdim", "dtype"), {"p": "fro"})
+    if p == "fro" or p is None:
+        p = 2.0
+    if isinstance(p, str):
+        raise UnsupportedOpError(f"{op_name(func)}: p={p!r} (a matrix norm) is not supported on "
+                                 f"DomainTensors; vector p-norms and 'fro' are")
+    return global_vector_norm(x, float(p), normalize_dims(dim, x.ndim), bool(keepdim), dtype)
+
+
+# -- logsumexp ----------------------------------------------------------------------------------
+@register(torch.logsumexp, T.logsumexp)
+def _logsumexp(func, args, kwargs):
+    x, dim, keepdim = _bind(func, args, kwargs, ("input", "dim", "keepdim"), {})
+    dims = normalize_dims(dim, x.ndim)
+    local, comm = x._local, _comm(x, dims)
+    if any(local.shape[d] == 0 for d in dims):
+        part = torch.full(_keep_shape(local, dims), -math.inf, dtype=local.dtype,
+                          device=local.device)
+    else:
+        part = local.detach().amax(dim=dims, keepdim=True)
+    m = ag.allreduce_tensor(part, comm, "max") if comm.Get_size() > 1 else part
+    shift = torch.where(torch.isinf(m), torch.zeros_like(m), m)
+    s = _combine_sum(torch.exp(local - shift).sum(dim=dims, keepdim=True), comm)
+    return _finish(x, torch.log(s) + shift, dims, bool(keepdim))
+
+
+# -- all, any ------------------------------------------------------------------------------------
+@register(torch.all, T.all, torch.any, T.any)
+def _all_any(func, args, kwargs):
+    x, dim, keepdim = _bind(func, args, kwargs, ("input", "dim", "keepdim"), {})
+    dims = normalize_dims(dim, x.ndim)
+    part = func(x._local, dim=dims, keepdim=True).to(torch.uint8)
+    op = "min" if func.__name__ == "all" else "max"
+    return _finish(x, ag.allreduce_tensor(part, _comm(x, dims), op).bool(), dims, bool(keepdim))

@@ -1,0 +1,216 @@
+"""The op dispatch table: which domain-parallel rule runs for which torch call.
+
+Why ``__torch_function__`` and not ``__torch_dispatch__``
+--------------------------------------------------------
+A DomainTensor reports the *global* shape (so unmodified model code that reads
+``x.shape``, flattens or views keeps working) and holds its block in
+``_local``. Every torch call that touches one reaches ``handle`` below, at the
+Python API level, before autograd and before the call is decomposed into aten
+ops. We route there, and only there, for three reasons:
+
+- A rule sees the call as the user wrote it (``F.conv2d(x, w, stride=2)``,
+  ``x.mean(dim=(2, 3))``, ``x.reshape(...)``). The halo width of a conv or the
+  communicator of a reduction follows from those arguments; at aten level they
+  are spread over several ops and the backward ops would need rules too.
+- A rule runs plain torch ops on local blocks plus the Functions in
+  ``domainpar.autograd``. Autograd records the local ops as usual, so backward
+  needs no rules of its own: the adjoint of every message is in the Function
+  that sent it. This is where sharded-tensor libraries working at aten level
+  go wrong (a backward op whose sharding rule is missing or inconsistent).
+- The autograd graph lives on the local tensors: ``.grad`` of a DomainTensor is
+  its block's gradient, wrapped.
+
+``__torch_dispatch__`` is defined only to refuse: a DomainTensor has no storage,
+so anything that slips past the Python API level raises an error naming the op
+instead of reading garbage.
+
+Rules
+-----
+``register(*funcs)(rule)`` binds ``rule(func, args, kwargs)`` to torch callables
+(``torch.add``, ``torch.Tensor.add``, ``F.relu`` ...). A rule runs with torch
+function disabled for subclasses, so inside it plain tensors behave normally
+and a DomainTensor handed to a torch op by mistake reaches the refusal above.
+Metadata (decompositions, shapes) is the same on every rank, so a rule that
+refuses on it refuses on every rank alike.
+"""
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from typing import Any, Callable, Iterator
+
+import torch
+from torch.utils import _pytree as pytree
+
+from ..comm.errors import DomainparError
+from . import layout
+
+_RULES: dict[Any, Callable] = {}
+_ATTRIBUTE_RULES: dict[str, Callable] = {}
+_GATHER_ALLOWED = contextvars.ContextVar("domainpar_allow_gather", default=False)
+
+
+class UnsupportedOpError(DomainparError, TypeError):
+    """A torch op on a DomainTensor with no domain-parallel rule (or options the
+    rule does not support)."""
+
+
+def register(*funcs: Any) -> Callable[[Callable], Callable]:
+    """Bind a rule ``rule(func, args, kwargs)`` to the torch callables ``funcs``."""
+    def bind(rule: Callable) -> Callable:
+        for f in funcs:
+            _RULES[f] = rule
+        return rule
+    return bind
+
+
+def register_attribute(*names: str) -> Callable[[Callable], Callable]:
+    """Bind ``rule(tensor)`` to reading the tensor attributes ``names`` (``T``, ``real``)."""
+    def bind(rule: Callable) -> Callable:
+        for n in names:
+            _ATTRIBUTE_RULES[n] = rule
+        return rule
+    return bind
+
+
+def has_rule(func: Any) -> bool:
+    return func in _RULES
+
+
+@contextlib.contextmanager
+def allow_gather() -> Iterator[None]:
+    """Inside this block, a torch op with no domain-parallel rule gathers its
+    DomainTensor arguments (allgatherv: every rank then holds the whole tensor),
+    runs on the whole tensors and re-shards a result shaped like its first
+    DomainTensor argument; other results come back replicated. Opt-in only:
+    outside it, such an op raises UnsupportedOpError."""
+    token = _GATHER_ALLOWED.set(True)
+    try:
+        yield
+    finally:
+        _GATHER_ALLOWED.reset(token)
+
+
+def op_name(func: Any) -> str:
+    name = getattr(func, "__name__", None) or repr(func)
+    owner = getattr(func, "__objclass__", None) or getattr(func, "__self__", None)
+    if isinstance(owner, type):
+        return f"Tensor.{name}"
+    module = getattr(func, "__module__", None) or ""
+    if module.startswith("torch.nn.functional"):
+        return f"torch.nn.functional.{name}"
+    return f"torch.{name}"
+
+
+def domain_tensors(args, kwargs=None) -> list:
+    """The DomainTensors among (nested) ``args`` and ``kwargs``, in order."""
+    from .domain_tensor import DomainTensor
+    leaves = pytree.tree_leaves((args, kwargs or {}))
+    return [a for a in leaves if isinstance(a, DomainTensor)]
+
+
+def same_grid(func: Any, tensors: list) -> None:
+    """Refuse DomainTensors on different grids in one op."""
+    grid = tensors[0]._dec.grid
+    for t in tensors[1:]:
+        if t._dec.grid is not grid:
+            raise UnsupportedOpError(
+                f"{op_name(func)}: DomainTensors on different process grids ({grid!r} and "
+                f"{t._dec.grid!r}) cannot be mixed; repartition one onto the other's grid")
+
+
+def unsupported(func: Any, args, kwargs, why: str | None = None) -> UnsupportedOpError:
+    """The error for a call with no rule: names the op and the sharded dims."""
+    dts = domain_tensors(args, kwargs)
+    where = "; ".join(layout.sharded_dims_text(t._dec) for t in dts) or "no sharded dims"
+    reason = why or "domainpar has no domain-parallel rule for it"
+    return UnsupportedOpError(
+        f"{op_name(func)} on a DomainTensor sharded on {where}: {reason}. Wrap the call in "
+        f"`with domainpar.allow_gather():` to gather the whole tensor on every rank, run it "
+        f"there and re-shard the result")
+
+
+# -- the entry point -------------------------------------------------------------------------
+def handle(func, types, args=(), kwargs=None):
+    kwargs = kwargs or {}
+    name = getattr(func, "__name__", "")
+    if name in ("__get__", "__set__", "__delete__"):
+        return _attribute(func, name, args, kwargs)
+    rule = _RULES.get(func)
+    with torch._C.DisableTorchFunctionSubclass():
+        if rule is not None:
+            return rule(func, args, kwargs)
+        if _GATHER_ALLOWED.get():
+            return _gather_and_run(func, args, kwargs)
+        raise unsupported(func, args, kwargs)
+
+
+# Attributes that live on the block (autograd state) rather than on the wrapper.
+_LOCAL_ATTRIBUTES = {"requires_grad", "grad_fn", "is_leaf", "_version", "retains_grad",
+                     "output_nr", "_grad_fn", "_backward_hooks"}
+
+
+def _attribute(func, kind, args, kwargs):
+    from .domain_tensor import DomainTensor
+    descriptor = getattr(func, "__self__", None)
+    attr = getattr(descriptor, "__name__", None) or getattr(
+        getattr(descriptor, "fget", None), "__name__", "")
+    self = args[0]
+    with torch._C.DisableTorchFunctionSubclass():
+        if not isinstance(self, DomainTensor):
+            return func(*args, **kwargs)
+        if kind == "__get__":
+            if attr == "grad":
+                g = self._local.grad
+                return None if g is None else DomainTensor(g, self._dec)
+            if attr == "data":
+                return DomainTensor(self._local.data, self._dec)
+            if attr in _LOCAL_ATTRIBUTES:
+                return getattr(self._local, attr)
+            if attr in _ATTRIBUTE_RULES:
+                return _ATTRIBUTE_RULES[attr](self)
+            return func(*args, **kwargs)  # metadata of the global tensor: shape, dtype ...
+        if kind == "__set__":
+            value = args[1]
+            if attr in ("grad", "data"):
+                if value is not None and not isinstance(value, DomainTensor):
+                    raise UnsupportedOpError(
+                        f"setting .{attr} of a DomainTensor needs a DomainTensor (or None), "
+                        f"got a {type(value).__name__}")
+                if value is not None and value._dec != self._dec:
+                    raise UnsupportedOpError(
+                        f"setting .{attr} of a DomainTensor needs the same decomposition: "
+                        f"{value._dec} differs from {self._dec}")
+                setattr(self._local, attr, None if value is None else value._local)
+                return None
+            if attr == "requires_grad":
+                self._local.requires_grad = value
+                return None
+        raise UnsupportedOpError(f"{kind} of attribute {attr!r} is not supported on a DomainTensor")
+
+
+def _gather_and_run(func, args, kwargs):
+    from ..autograd import allgather, shard
+    from .domain_tensor import DomainTensor
+    dts = domain_tensors(args, kwargs)
+    same_grid(func, dts)
+    lead = dts[0]
+
+    def full(a):
+        return allgather(a._local, a._dec) if isinstance(a, DomainTensor) else a
+
+    out = func(*pytree.tree_map(full, args), **pytree.tree_map(full, kwargs))
+
+    def reshard(o):
+        if isinstance(o, torch.Tensor) and tuple(o.shape) == lead._dec.global_shape:
+            return DomainTensor(shard(o, lead._dec), lead._dec)
+        return o
+
+    result = pytree.tree_map(reshard, out)
+    if op_name(func).endswith("_") and args and isinstance(args[0], DomainTensor):
+        # In place on the gathered copy: write this rank's block back.
+        target = args[0]
+        target._local.copy_(result._local if isinstance(result, DomainTensor) else
+                            shard(out, target._dec))
+        return target
+    return result

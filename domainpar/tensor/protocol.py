@@ -1,0 +1,110 @@
+"""The tensor protocol on DomainTensors: metadata queries, autograd plumbing,
+copies and moves that keep the layout, printing.
+
+These are not domain-parallel ops; they answer for the global tensor (``size``,
+``dim``, ``numel``) or act on the block and keep the decomposition (``detach``,
+``clone``, ``to``).
+"""
+from __future__ import annotations
+
+import torch
+from torch.utils import _pytree as pytree
+
+from .dispatch import UnsupportedOpError, op_name, register
+from .domain_tensor import DomainTensor
+
+T = torch.Tensor
+
+
+def _unwrap(a):
+    return a._local if isinstance(a, DomainTensor) else a
+
+
+# -- metadata of the global tensor: answered by the wrapper itself -----------------------------
+@register(T.size, T.dim, T.ndimension, T.numel, T.nelement, T.__len__, T.element_size,
+          T.is_floating_point, T.is_complex, T.get_device, T.is_signed, T.__hash__,
+          T.is_inference, T.__format__)
+def _global_metadata(func, args, kwargs):
+    return func(*args, **kwargs)
+
+
+@register(T.is_contiguous)
+def _local_metadata(func, args, kwargs):
+    return func(*pytree.tree_map(_unwrap, args), **kwargs)
+
+
+@register(T.__repr__, T.__str__)
+def _repr(func, args, kwargs):
+    return DomainTensor.__repr__(args[0])
+
+
+@register(T.__bool__, T.item, T.tolist, T.numpy, T.__array__, T.__int__, T.__float__,
+          T.__index__, T.data_ptr, T.storage, T.untyped_storage)
+def _needs_the_whole(func, args, kwargs):
+    raise UnsupportedOpError(
+        f"{op_name(func)} needs the whole tensor and a DomainTensor holds one block per rank; "
+        f"call .full_tensor() first (it gathers) or .to_local() for this rank's block")
+
+
+# -- copies and moves that keep the layout ------------------------------------------------------
+@register(T.detach, T.clone, torch.clone, T.contiguous, T.to, T.cpu, T.cuda, T.double, T.float,
+          T.half, T.bfloat16, T.int, T.long, T.bool, T.type, T.type_as, T.cfloat, T.cdouble,
+          T.pin_memory, torch.detach)
+def _same_layout(func, args, kwargs):
+    self = args[0]
+    if not isinstance(self, DomainTensor):  # e.g. plain.type_as(domain_tensor)
+        return func(*pytree.tree_map(_unwrap, args), **pytree.tree_map(_unwrap, kwargs))
+    out = func(self._local, *pytree.tree_map(_unwrap, args[1:]),
+               **pytree.tree_map(_unwrap, kwargs))
+    if isinstance(out, str):  # x.type() with no argument
+        return out
+    if out is self._local:
+        return self
+    return DomainTensor(out, self._dec)
+
+
+@register(T.detach_, T.requires_grad_, T.retain_grad, T.share_memory_)
+def _in_place_on_block(func, args, kwargs):
+    self = args[0]
+    func(self._local, *args[1:], **kwargs)
+    return self
+
+
+# -- autograd ----------------------------------------------------------------------------------
+@register(T.backward)
+def _backward(func, args, kwargs):
+    """Collective when the graph communicates (every rank must call it)."""
+    self, rest = args[0], args[1:]
+    out = self._local if isinstance(self, DomainTensor) else self
+    return out.backward(*pytree.tree_map(_unwrap, rest), **pytree.tree_map(_unwrap, kwargs))
+
+
+@register(torch.autograd.backward)
+def _autograd_backward(func, args, kwargs):
+    return func(*pytree.tree_map(_unwrap, args), **pytree.tree_map(_unwrap, kwargs))
+
+
+@register(torch.autograd.grad)
+def _autograd_grad(func, args, kwargs):
+    names = ("outputs", "inputs", "grad_outputs", "retain_graph", "create_graph",
+             "only_inputs", "allow_unused", "is_grads_batched", "materialize_grads")
+    given = dict(zip(names, args), **kwargs)
+    inputs = given.get("inputs")
+    seq = isinstance(inputs, (list, tuple))
+    decs = [a._dec if isinstance(a, DomainTensor) else None
+            for a in (inputs if seq else [inputs])]
+    grads = func(**pytree.tree_map(_unwrap, given))
+    return tuple(g if d is None or g is None else DomainTensor(g, d)
+                 for g, d in zip(grads, decs))
+
+
+@register(T.register_hook)
+def _register_hook(func, args, kwargs):
+    self, hook = args[0], args[1] if len(args) > 1 else kwargs["hook"]
+    dec = self._dec
+
+    def on_block(grad):
+        out = hook(DomainTensor(grad, dec))
+        return out._local if isinstance(out, DomainTensor) else out
+
+    return self._local.register_hook(on_block)
