@@ -1,14 +1,29 @@
 """domainpar: domain parallelism for scientific machine learning on MPI.
 
 The public face: re-exports only (see ../shared/DESIGN.md, "The public names").
+The torch layers load on first use of one of their names, so code that needs
+only the MPI core (``domainpar.comm``) never imports torch.
 """
 from .comm import (Decomposition, DomainparError, HaloExchange, LayoutError, MismatchError,
                    ProcessGrid, init)
-from . import ops  # noqa: F401  (registers the op rules)
-from .tensor import DomainTensor, UnsupportedOpError, allow_gather, scatter
 
 __version__ = "0.1.0"
 
-__all__ = ["Decomposition", "DomainTensor", "DomainparError", "HaloExchange", "LayoutError",
-           "MismatchError", "ProcessGrid", "UnsupportedOpError", "allow_gather", "init",
-           "scatter", "__version__"]
+# name -> submodule that defines it; importing ``ops`` registers the op rules.
+_TORCH_NAMES = {"DomainTensor": "tensor", "UnsupportedOpError": "tensor",
+                "allow_gather": "tensor", "scatter": "tensor", "DomainParallel": "nn"}
+
+
+def __getattr__(name):
+    if name in _TORCH_NAMES:
+        import importlib
+        importlib.import_module(".ops", __name__)
+        value = getattr(importlib.import_module("." + _TORCH_NAMES[name], __name__), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'domainpar' has no attribute {name!r}")
+
+
+__all__ = ["Decomposition", "DomainParallel", "DomainTensor", "DomainparError", "HaloExchange",
+           "LayoutError", "MismatchError", "ProcessGrid", "UnsupportedOpError", "allow_gather",
+           "init", "scatter", "__version__"]

@@ -1,6 +1,20 @@
-"""Public test helpers: dot-product adjoint tests and the single-process oracle."""
+"""Public test helpers: dot-product adjoint tests and the single-process oracle.
+
+``global_dot``/``adjoint_error`` work on numpy arrays (no torch); the torch
+helpers load on first use.
+"""
 from .adjoint import adjoint_error, global_dot
-from .oracle import adjoint_test, assert_matches_single_process, inner, shard_like
+
+_TORCH_NAMES = ("adjoint_test", "assert_matches_single_process", "inner", "shard_like")
+
+
+def __getattr__(name):
+    if name in _TORCH_NAMES:
+        import importlib
+        importlib.import_module("domainpar.ops")
+        return getattr(importlib.import_module(".oracle", __name__), name)
+    raise AttributeError(f"module 'domainpar.testing' has no attribute {name!r}")
+
 
 __all__ = ["adjoint_error", "adjoint_test", "assert_matches_single_process", "global_dot",
            "inner", "shard_like"]
