@@ -145,6 +145,52 @@ def allreduce(a, comm: MPI.Comm, op: str = "sum"):
     return a
 
 
+class PendingReduction:
+    """A started ``iallreduce``: ``wait()`` completes it (and, for a device array
+    staged through the host, copies the result back)."""
+
+    def __init__(self, request: MPI.Request, wire, arr):
+        self.request, self._wire, self._arr = request, wire, arr
+
+    def wait(self) -> None:
+        self.request.Wait()
+        if self._wire is not self._arr:
+            buffers.namespace(self._arr).copyto(self._arr, _from_wire(self._wire, self._arr))
+
+
+def iallreduce(a, comm: MPI.Comm, op: str = "sum") -> PendingReduction:
+    """Nonblocking collective over ``comm``. Start reducing the C-contiguous array
+    ``a`` in place with ``op``; the result is there after ``wait()``. For hot
+    paths (bucketed gradient reduction): no cross-rank agreement check, so every
+    rank must pass the same shape and dtype."""
+    arr = buffers.as_array(a)
+    if not arr.flags.c_contiguous:
+        raise LayoutError("iallreduce needs a C-contiguous array (it reduces in place)")
+    wire = _to_wire(arr)
+    return PendingReduction(comm.Iallreduce(MPI.IN_PLACE, wire, op=_OPS[op]), wire, arr)
+
+
+def bcast(a, comm: MPI.Comm, root: int = 0):
+    """Collective over ``comm``. ``root``'s values of the C-contiguous array ``a``
+    copied into every rank's ``a`` (same shape and dtype everywhere, checked)."""
+    arr = _as_array_or_error(a)
+    problem = None
+    if isinstance(arr, Exception):
+        problem = f"bcast: {arr}"
+    elif not arr.flags.c_contiguous:
+        problem = "bcast: the array must be C-contiguous (it is written in place)"
+    shape = "?" if isinstance(arr, Exception) else f"{arr.dtype}{tuple(arr.shape)}"
+    agree(comm, problem, signature=signature_of(shape), what="bcast shapes or dtypes",
+          described=shape)
+    if comm.Get_size() == 1 or arr.size == 0:
+        return a
+    wire = _to_wire(arr)
+    comm.Bcast([wire.reshape(-1).view(np.uint8), MPI.BYTE], root=root)
+    if wire is not arr:
+        buffers.namespace(arr).copyto(arr, _from_wire(wire, arr))
+    return a
+
+
 # -- allgatherv, gatherv, scatterv ------------------------------------------------------------
 def _members(dec: Decomposition, comm: MPI.Cartcomm) -> list[int]:
     """Grid ranks of the members of ``comm`` (a sub-communicator of dec.grid

@@ -1,0 +1,106 @@
+"""`domainpar bench grads`: one training step with DomainParallel's deferred,
+bucketed gradient reductions against per-op reductions (each op's backward
+allreducing its parameters' gradients itself).
+
+The model: ``layers`` blocks of ``Linear(width, width) + tanh`` applied over
+the channel (last) dim of a (1, side, side, width) field sharded along dim 1
+over all ranks; about ``layers * width**2`` parameters (20 x 700**2 = 9.8M by
+default). One sample is forward, a global mean-square loss, backward and an
+SGD step, timed per variant round-robin in one run (``timing.interleaved``).
+Also counted per step: allreduce calls made for parameter gradients.
+"""
+from __future__ import annotations
+
+import copy
+import json
+import platform
+from pathlib import Path
+
+import torch
+from mpi4py import MPI
+
+from ..comm import ProcessGrid
+from .timing import interleaved, median
+
+
+def _model(layers: int, width: int) -> torch.nn.Module:
+    torch.manual_seed(0)
+    blocks = []
+    for _ in range(layers):
+        blocks += [torch.nn.Linear(width, width), torch.nn.Tanh()]
+    return torch.nn.Sequential(*blocks)
+
+
+def run(layers: int = 20, width: int = 700, side: int = 16, repeats: int = 7,
+        out: str = "bench-out/grads.json") -> dict:
+    """Collective. Time both variants and write JSON (rank 0 prints a table)."""
+    import domainpar as dp
+    from domainpar.testing import shard_like
+    comm = MPI.COMM_WORLD
+    rank, size = comm.Get_rank(), comm.Get_size()
+    grid = ProcessGrid((size,))
+    base = _model(layers, width)
+    n_params = sum(p.numel() for p in base.parameters())
+    x = shard_like(torch.randn(1, side, side, width, generator=torch.Generator().manual_seed(1)),
+                   grid, {1: 0})
+    variants = {"per_op": copy.deepcopy(base),
+                "domain_parallel": dp.DomainParallel(copy.deepcopy(base), grid)}
+    optimizers = {k: torch.optim.SGD(m.parameters(), lr=1e-4) for k, m in variants.items()}
+
+    def step(name):
+        model, opt = variants[name], optimizers[name]
+
+        def go():
+            opt.zero_grad(set_to_none=True)
+            loss = model(x).pow(2).mean()
+            loss.backward()
+            opt.step()
+        return go
+
+    if rank == 0:
+        print(f"domainpar bench grads: {layers} layers x Linear({width}, {width}) = "
+              f"{n_params / 1e6:.1f}M parameters, field (1, {side}, {side}, {width}) on "
+              f"{size} rank(s), {repeats} steps per variant, interleaved", flush=True)
+    samples = interleaved(comm, {k: step(k) for k in variants}, repeats, warmup=1)
+    counts = {k: _count_allreduces(step(k)) for k in variants}
+    result = {
+        "benchmark": "grads", "ranks": size, "layers": layers, "width": width, "side": side,
+        "parameters": n_params, "repeats": repeats, "host": platform.node(),
+        "torch_threads": torch.get_num_threads(),
+        "median_step_s": {k: median(v) for k, v in samples.items()},
+        "samples_s": samples,
+        "gradient_allreduces_per_step": counts,
+        "ratio_domain_parallel_over_per_op":
+            median(samples["domain_parallel"]) / median(samples["per_op"]),
+    }
+    if rank == 0:
+        for k, v in result["median_step_s"].items():
+            print(f"  {k:<16} median step {v * 1e3:8.1f} ms   "
+                  f"gradient allreduces per step: {counts[k]}")
+        print(f"  DomainParallel / per-op: {result['ratio_domain_parallel_over_per_op']:.3f}")
+        path = Path(out)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(result, indent=1))
+        print(f"  JSON: {path}")
+    return result
+
+
+def _count_allreduces(go) -> int:
+    """Calls of domainpar's allreduce and iallreduce during one step, on this rank
+    (the loss's own allreduce included, in both variants)."""
+    import domainpar.comm.collectives as col
+    calls = [0]
+    real_allreduce, real_iallreduce = col.allreduce, col.iallreduce
+
+    def counted(fn):
+        def wrapper(*a, **k):
+            calls[0] += 1
+            return fn(*a, **k)
+        return wrapper
+    col.allreduce, col.iallreduce = counted(real_allreduce), counted(real_iallreduce)
+    try:
+        MPI.COMM_WORLD.Barrier()
+        go()
+    finally:
+        col.allreduce, col.iallreduce = real_allreduce, real_iallreduce
+    return calls[0]

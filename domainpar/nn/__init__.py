@@ -1,0 +1,4 @@
+"""Modules: DomainParallel (parameter broadcast, bucketed gradient reduction)."""
+from .domain_parallel import DomainParallel
+
+__all__ = ["DomainParallel"]
