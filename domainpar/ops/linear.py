@@ -1,0 +1,170 @@
+"""Linear maps over an unsharded dim, and softmax / log_softmax.
+
+- F.linear(x, weight, bias), torch.matmul / x @ W / W @ x with x a DomainTensor
+  and the weight a plain (replicated) tensor: local, provided the contracted dim
+  of x is not sharded. The weight (and bias) enter every block's computation
+  through ``enter_domain``, so their gradient is summed over the ranks (or
+  handed to DomainParallel's deferred reduction). The output keeps x's layout
+  with the contracted dim's size changed. A sharded contracted dim, a
+  DomainTensor weight, or a batched (>2-D) weight is refused.
+- softmax / log_softmax: local along an unsharded dim. Collective along a
+  sharded dim: the global maximum (a detached shift, so it carries no
+  gradient, as in any stable softmax) and the global sum of exponentials
+  (allreduce-sum, replicated), which re-enters the blocks through a Broadcast
+  so that its gradient is summed over the ranks: values and gradients equal
+  one process's.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from .. import autograd as ag
+from ..tensor import layout
+from ..tensor.dispatch import UnsupportedOpError, op_name, register
+from ..tensor.domain_tensor import DomainTensor
+from ..tensor.params import enter_domain
+
+T = torch.Tensor
+
+
+def _refuse(func, x: DomainTensor, why: str) -> UnsupportedOpError:
+    return UnsupportedOpError(f"{op_name(func)} on a DomainTensor sharded on "
+                              f"{layout.sharded_dims_text(x._dec)}: {why}")
+
+
+def _replicated(func, p, what: str):
+    if isinstance(p, DomainTensor):
+        raise UnsupportedOpError(
+            f"{op_name(func)}: the {what} must be a plain (replicated) tensor, not a "
+            f"DomainTensor; only the input may be sharded")
+    return p
+
+
+# -- linear, matmul ----------------------------------------------------------------------------
+@register(F.linear)
+def linear(func, args, kwargs):
+    """Local. y = x W^T + b over x's last dim (unsharded)."""
+    names = ("input", "weight", "bias")
+    a = dict(zip(names, args))
+    a.update(kwargs)
+    x, weight, bias = a.get("input"), a.get("weight"), a.get("bias")
+    if not isinstance(x, DomainTensor):
+        raise UnsupportedOpError(f"{op_name(func)}: only the input may be a DomainTensor")
+    _replicated(func, weight, "weight")
+    _replicated(func, bias, "bias")
+    dec = x._dec
+    last = x.ndim - 1
+    if last in dec.shard:
+        raise _refuse(func, x, f"the contracted (last) dim {last} is sharded; redistribute "
+                               f"so that it is whole on every rank")
+    if weight.ndim not in (1, 2):
+        raise UnsupportedOpError(f"{op_name(func)}: weight must be 1-D or 2-D, got "
+                                 f"{weight.ndim}-D")
+    out_shape = tuple(x.shape[:-1]) + ((weight.shape[0],) if weight.ndim == 2 else ())
+    out_dec = layout.remap(dec, out_shape, {d: d for d in dec.shard})
+    w = enter_domain(weight, out_dec, {})
+    b = None if bias is None else enter_domain(bias, out_dec, {})
+    return DomainTensor(F.linear(x._local, w, b), out_dec)
+
+
+@register(torch.matmul, T.matmul, T.__matmul__, T.__rmatmul__)
+def matmul(func, args, kwargs):
+    """Local. x @ W (x's last dim contracted) or W @ x (x's dim -2, or its only
+    dim, contracted), with W plain and 1-D or 2-D."""
+    if kwargs.get("out") is not None:
+        raise UnsupportedOpError(f"{op_name(func)}: out= is not supported on DomainTensors")
+    left, right = (args[1], args[0]) if func is T.__rmatmul__ else (args[0], args[1])
+    if isinstance(left, DomainTensor) and isinstance(right, DomainTensor):
+        raise UnsupportedOpError(
+            f"{op_name(func)}: both operands are DomainTensors; domainpar supports a "
+            f"DomainTensor times a plain (replicated) 1-D or 2-D tensor only")
+    x = left if isinstance(left, DomainTensor) else right
+    w = right if x is left else left
+    if not isinstance(w, torch.Tensor):
+        raise TypeError(f"{op_name(func)}: expected a tensor operand, got {type(w).__name__}")
+    if w.ndim not in (1, 2):
+        raise UnsupportedOpError(
+            f"{op_name(func)}: a {w.ndim}-D replicated operand (batched matmul) is not "
+            f"supported with a DomainTensor; use a 1-D or 2-D one")
+    dec, nd = x._dec, x.ndim
+    if x is left:
+        contracted = nd - 1
+        out_shape = tuple(x.shape[:-1]) + ((w.shape[1],) if w.ndim == 2 else ())
+        dim_map = {d: d for d in dec.shard}
+    else:
+        contracted = max(nd - 2, 0)
+        if nd == 1:
+            out_shape = (w.shape[0],) if w.ndim == 2 else ()
+            dim_map = {}
+        elif w.ndim == 2:
+            out_shape = tuple(x.shape[:-2]) + (w.shape[0], x.shape[-1])
+            dim_map = {d: d for d in dec.shard}
+        else:  # (k,) @ (..., k, n) -> (..., n): dim -1 moves to -2
+            out_shape = tuple(x.shape[:-2]) + (x.shape[-1],)
+            dim_map = {d: (d if d < nd - 2 else d - 1) for d in dec.shard}
+    if contracted in dec.shard:
+        raise _refuse(func, x, f"the contracted dim {contracted} is sharded; redistribute so "
+                               f"that it is whole on every rank")
+    out_dec = layout.remap(dec, out_shape, dim_map)
+    wl = enter_domain(w, out_dec, {})
+    out = torch.matmul(x._local, wl) if x is left else torch.matmul(wl, x._local)
+    return DomainTensor(out, out_dec)
+
+
+# -- softmax, log_softmax ------------------------------------------------------------------------
+_F_FORMS = {F.softmax: False, F.log_softmax: True}
+_FORMS = {torch.softmax: False, T.softmax: False, torch.log_softmax: True, T.log_softmax: True,
+          torch.special.softmax: False, torch.special.log_softmax: True}
+
+
+@register(*_F_FORMS, *_FORMS)
+def softmax(func, args, kwargs):
+    log = _F_FORMS.get(func, _FORMS.get(func))
+    names = ("input", "dim", "_stacklevel", "dtype") if func in _F_FORMS else \
+        ("input", "dim", "dtype")
+    a = dict(zip(names, args))
+    for k, v in kwargs.items():
+        if k not in names:
+            raise TypeError(f"{op_name(func)} got an unexpected keyword argument {k!r}")
+        a[k] = v
+    x, dim, dtype = a["input"], a.get("dim"), a.get("dtype")
+    if dim is None:
+        # F.softmax's legacy implicit dim (warns as torch does).
+        dim = F._get_softmax_dim("log_softmax" if log else "softmax", x.ndim,
+                                 a.get("_stacklevel", 3))
+    if not isinstance(dim, int):
+        raise UnsupportedOpError(f"{op_name(func)}: dim must be an int on DomainTensors, "
+                                 f"got {dim!r}")
+    dim = dim % max(x.ndim, 1) if -max(x.ndim, 1) <= dim < max(x.ndim, 1) else None
+    if dim is None:
+        raise IndexError(f"Dimension out of range (expected to be in range of "
+                         f"[{-x.ndim}, {x.ndim - 1}], but got {a.get('dim')})")
+    return global_softmax(x, dim, log, dtype)
+
+
+def global_softmax(x: DomainTensor, dim: int, log: bool, dtype=None) -> DomainTensor:
+    """softmax (or log_softmax) of ``x`` along ``dim``; collective over the grid
+    axis that cuts ``dim`` when it is sharded, local otherwise."""
+    local = x._local if dtype is None else x._local.to(dtype)
+    dec = x._dec
+    if dim not in dec.shard:
+        return DomainTensor((torch.log_softmax if log else torch.softmax)(local, dim), dec)
+    comm = layout.comm_of(dec, (dim,))
+    if local.shape[dim] == 0:
+        keep = [1 if d == dim else n for d, n in enumerate(local.shape)]
+        part = torch.full(keep, -math.inf, dtype=local.dtype, device=local.device)
+    else:
+        part = local.detach().amax(dim=dim, keepdim=True)
+    m = ag.allreduce_tensor(part, comm, "max") if comm.Get_size() > 1 else part
+    # The shift only guards exp against overflow; detached, it adds no gradient.
+    shift = torch.where(torch.isinf(m), torch.zeros_like(m), m)
+    z = local - shift
+    s = z.exp().sum(dim=dim, keepdim=True)
+    if comm.Get_size() > 1:
+        # The replicated sum re-enters every block: Broadcast sums its gradient.
+        s = ag.broadcast(ag.allreduce_sum(s, comm), comm)
+    out = z - s.log() if log else z.exp() / s
+    return DomainTensor(out, dec)
