@@ -15,7 +15,7 @@ from mpi4py import MPI
 from ..comm import HaloExchange
 from ..comm.decomposition import Decomposition
 from .primitives import (Allgather, AllreduceSum, Broadcast, Gather, HaloAccumulate, HaloFill,
-                         Repartition, Scatter, Shard, allreduce_tensor)
+                         MirrorExchange, Repartition, Scatter, Shard, allreduce_tensor)
 
 
 def halo_fill(padded: torch.Tensor, halo: HaloExchange) -> torch.Tensor:
@@ -69,7 +69,15 @@ def repartition(block: torch.Tensor, src: Decomposition, dst: Decomposition) -> 
     return Repartition.apply(block, src, dst)
 
 
+def mirror(block: torch.Tensor, comm: MPI.Comm, recv_shape) -> torch.Tensor:
+    """Pairwise collective over the 1-D ``comm``. The block of the rank at the
+    mirrored position (``size - 1 - rank``), of shape ``recv_shape``."""
+    if comm.Get_size() == 1:
+        return block
+    return MirrorExchange.apply(block.contiguous(), comm, tuple(recv_shape))
+
+
 __all__ = ["Allgather", "AllreduceSum", "Broadcast", "Gather", "HaloAccumulate", "HaloFill",
-           "Repartition", "Scatter", "Shard", "allgather", "allreduce_sum", "allreduce_tensor",
-           "broadcast", "gather", "halo_accumulate", "halo_fill", "repartition", "scatter",
-           "shard"]
+           "MirrorExchange", "Repartition", "Scatter", "Shard", "allgather", "allreduce_sum",
+           "allreduce_tensor", "broadcast", "gather", "halo_accumulate", "halo_fill", "mirror",
+           "repartition", "scatter", "shard"]

@@ -17,6 +17,7 @@ Gather   (blocks -> root)  scatterv from the root
 Allgather (-> replicated)  slice this rank's block (Shard's forward)
 Shard (replicated -> blk)  allgatherv (Allgather's forward)
 Repartition src -> dst     repartition dst -> src
+MirrorExchange c <-> P-1-c  the same exchange (an involution)
 =========================  ==========================================
 
 A value is *replicated* when every rank of the communicator holds the same
@@ -206,3 +207,36 @@ class Repartition(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         return Repartition.apply(grad.contiguous(), ctx.dst, ctx.src), None, None
+
+
+# -- mirror exchange (the data movement of a flip along a sharded dim) ----------------------
+class MirrorExchange(torch.autograd.Function):
+    """Pairwise collective over ``comm`` (a 1-D axis communicator). Every rank
+    sends its block to the rank at the mirrored position ``size - 1 - rank`` and
+    receives that rank's block, of shape ``recv_shape``. A permutation that is its
+    own inverse, so the adjoint is the same exchange with the shapes swapped."""
+
+    @staticmethod
+    def forward(ctx, block: torch.Tensor, comm: MPI.Comm, recv_shape):
+        ctx.comm, ctx.send_shape = comm, tuple(block.shape)
+        return _mirror(block, comm, tuple(recv_shape))
+
+    @staticmethod
+    def backward(ctx, grad):
+        return MirrorExchange.apply(grad.contiguous(), ctx.comm, ctx.send_shape), None, None
+
+
+def _mirror(block: torch.Tensor, comm: MPI.Comm, recv_shape) -> torch.Tensor:
+    rank, size = comm.Get_rank(), comm.Get_size()
+    partner = size - 1 - rank
+    if partner == rank:
+        return _contiguous_copy(block)
+    send = collectives._to_wire(to_array(block))
+    out = torch.empty(recv_shape, dtype=block.dtype, device=block.device)
+    recv_arr = to_array(out)
+    recv = collectives._to_wire(recv_arr)
+    comm.Sendrecv([send, MPI.BYTE], dest=partner, sendtag=71,
+                  recvbuf=[recv, MPI.BYTE], source=partner, recvtag=71)
+    if recv is not recv_arr:  # staged through the host: copy back to the device
+        recv_arr[...] = collectives._from_wire(recv, recv_arr)
+    return out
