@@ -1,0 +1,385 @@
+"""Shape ops: view, reshape, flatten, unflatten, permute, transpose, movedim,
+squeeze, unsqueeze, expand (and their torch, Tensor and attribute forms).
+
+Local unless a rule below says it repartitions (then collective over the grid,
+an alltoallv through ``ag.repartition``). All sizes an op takes are GLOBAL
+(``x.view(B, C, H * W)``, ``x.expand(4, -1, -1)``); the rule translates them to
+the block. Every decision is made from metadata every rank holds alike, so a
+refusal (UnsupportedOpError) is raised on every rank alike.
+
+Rules
+-----
+Dim reorderings (permute, transpose, swapaxes/swapdims, movedim/moveaxis, t,
+``.T``, ``.mT``, ``.H``, ``.mH``, adjoint): applied to the block; a sharded dim
+follows to its new position with the same grid axis and block sizes.
+
+unsqueeze: shifts the dims after the new one. squeeze: a sharded dim of global
+size 1 is first repartitioned to unsharded (cheap: one slice), then dropped.
+Only dims of global size 1 are dropped, never a block's dims that merely happen
+to have local size 1.
+
+expand / expand_as / broadcast_to: only dims of global size 1 (and new leading
+dims) grow, as in torch; a size-1 dim that is sharded is made unsharded first.
+``-1`` keeps a size. The expanded dims are whole on every rank.
+
+view / reshape / flatten / unflatten / ravel / view_as / reshape_as: the old and
+new GLOBAL shapes are cut into groups as torch's view does (consecutive old
+dims and consecutive new dims with equal products). Size-1 dims are ignored
+when looking for the outermost dim of a group. Per group:
+
+- no sharded dim: the group is reshaped in the block as in the global tensor;
+- one sharded dim ``d`` of size > 1 which is the outermost dim of its old group,
+  with old inner product ``I`` and new inner product ``J`` (product of the new
+  group's dims after its outermost one, ``n0``): the block holds a contiguous
+  run of the flattened group, so if every block size ``s_i * I`` is a multiple
+  of ``J`` the result has ``n0`` sharded on the same axis with sizes
+  ``s_i * I / J``. This covers merges (``J = 1``: sizes ``s_i * I``), splits
+  (``I = 1``: sizes ``s_i / J``) and general regroupings;
+- otherwise (the sizes are not multiples of ``J``, or ``d`` is not the
+  outermost dim of its group) ``reshape`` first repartitions the old tensor so
+  that the outermost old dim of the group is sharded on ``d``'s axis, balanced
+  in units of ``J / gcd(I, J)`` rows, then proceeds as above; it refuses when
+  those units are too coarse to give more than one non-empty block while the
+  old layout had several (that would gather the dim onto one rank). ``view``
+  never communicates: it raises UnsupportedOpError saying reshape would
+  repartition;
+- two sharded dims of size > 1 in one group: refused (one of them would have to
+  be gathered whole along its grid axis);
+- a sharded dim of global size 1: kept when it forms a group with only size-1
+  new dims (it moves to the first of them), otherwise made unsharded first
+  (reshape; view refuses).
+
+A tensor with no elements is reshaped in the block and comes back unsharded
+(there is nothing to lay out). ``view(dtype)`` keeps the layout when the item
+sizes match, and otherwise needs the last dim unsharded.
+
+In-place shape changes (``squeeze_``, ``unsqueeze_``, ``transpose_``, ``t_``,
+``swapdims_``, ``resize_``, ``as_strided`` ...) are refused: a DomainTensor's
+global shape is fixed; assign the result of the out-of-place op instead.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, Sequence
+
+import torch
+
+from .. import autograd as ag
+from ..comm.decomposition import Decomposition, balanced_sizes
+from ..tensor import layout
+from ..tensor.dispatch import UnsupportedOpError, op_name, register, register_attribute
+from ..tensor.domain_tensor import DomainTensor
+
+T = torch.Tensor
+
+
+def _self(func, args, kwargs) -> DomainTensor:
+    x = args[0] if args else kwargs.get("input", kwargs.get("self"))
+    if not isinstance(x, DomainTensor):
+        raise UnsupportedOpError(f"{op_name(func)}: expected a DomainTensor as the tensor "
+                                 f"operand, got a {type(x).__name__}")
+    return x
+
+
+def _rest(args, kwargs):
+    """The op's arguments after the tensor, with any DomainTensor among them
+    (``view_as``/``expand_as`` targets) replaced by its global shape's meta stand-in."""
+    def meta(a):
+        if isinstance(a, DomainTensor):
+            return torch.empty(a._dec.global_shape, dtype=a.dtype, device="meta")
+        return a
+    rest = tuple(meta(a) for a in args[1:])
+    kw = {k: meta(v) for k, v in kwargs.items() if k not in ("input", "self")}
+    return rest, kw
+
+
+def _probe(func, x: DomainTensor, args, kwargs, shape=None):
+    """``func`` applied to a meta tensor of the global shape (or ``shape``): the
+    result's global shape, torch's own argument parsing and torch's own errors
+    (raised alike on every rank), with no data."""
+    rest, kw = _rest(args, kwargs)
+    probe = torch.empty(x._dec.global_shape if shape is None else shape, dtype=x.dtype,
+                        device="meta")
+    return func(probe, *rest, **kw)
+
+
+def _refuse(func, x: DomainTensor, why: str) -> UnsupportedOpError:
+    return UnsupportedOpError(f"{op_name(func)} on a DomainTensor of global shape "
+                              f"{tuple(x._dec.global_shape)} sharded on "
+                              f"{layout.sharded_dims_text(x._dec)}: {why}")
+
+
+# -- dim reorderings ---------------------------------------------------------------------------
+def _reorder(func, x: DomainTensor, args, kwargs, local_op):
+    """Run a pure dim permutation: find where each dim goes by probing a meta
+    tensor whose dim ``d`` has the distinct size ``d + 2``."""
+    ndim = x._dec.ndim
+    out = _probe(func, x, args, kwargs, shape=tuple(range(2, ndim + 2)))
+    perm = [s - 2 for s in out.shape]  # out dim i is input dim perm[i]
+    dim_map = {d: i for i, d in enumerate(perm)}
+    out_shape = tuple(x._dec.global_shape[d] for d in perm)
+    return DomainTensor(local_op(x._local), layout.remap(x._dec, out_shape, dim_map))
+
+
+@register(torch.permute, T.permute, torch.transpose, T.transpose, torch.swapaxes, T.swapaxes,
+          torch.swapdims, T.swapdims, torch.movedim, T.movedim, torch.moveaxis, T.moveaxis,
+          torch.t, T.t, torch.adjoint, T.adjoint)
+def reorder(func, args, kwargs):
+    x = _self(func, args, kwargs)
+    rest, kw = _rest(args, kwargs)
+    return _reorder(func, x, args, kwargs, lambda local: func(local, *rest, **kw))
+
+
+def _attribute_reorder(name):
+    def rule(x):
+        getter = (lambda t: getattr(t, name))
+        return _reorder(getter, x, (x,), {}, getter)
+    return rule
+
+
+for _name in ("T", "mT", "H", "mH"):
+    register_attribute(_name)(_attribute_reorder(_name))
+
+
+# -- squeeze / unsqueeze -----------------------------------------------------------------------
+def _dim_arg(args, kwargs, position=1):
+    if len(args) > position:
+        return args[position]
+    return kwargs.get("dim")
+
+
+@register(torch.squeeze, T.squeeze)
+def squeeze(func, args, kwargs):
+    """Local, or collective when a sharded dim of global size 1 is squeezed
+    (repartitioned to unsharded first)."""
+    x = _self(func, args, kwargs)
+    _probe(func, x, args, kwargs)  # torch's argument checks and errors
+    dec, ndim = x._dec, x._dec.ndim
+    dim = _dim_arg(args, kwargs)
+    if dim is None:
+        dims = range(ndim)
+    elif isinstance(dim, int):
+        dims = (dim,)
+    else:
+        dims = tuple(dim)
+    if any(isinstance(d, str) for d in dims):
+        raise _refuse(func, x, "named dims are not supported")
+    drop = sorted({d % max(ndim, 1) for d in dims if ndim and dec.global_shape[d % ndim] == 1})
+    local, src = x._local, dec
+    sharded = [d for d in drop if d in dec.shard]
+    if sharded:
+        src = layout.unsharded(dec, sharded)
+        local = ag.repartition(local, dec, src)
+    keep = [d for d in range(ndim) if d not in drop]
+    out_shape = tuple(dec.global_shape[d] for d in keep)
+    # Squeeze exactly the dims of global size 1: a block may have other dims of size 1.
+    local = local.squeeze(tuple(drop)) if drop else local
+    return DomainTensor(local, layout.remap(src, out_shape, {d: i for i, d in enumerate(keep)}))
+
+
+@register(torch.unsqueeze, T.unsqueeze)
+def unsqueeze(func, args, kwargs):
+    """Local."""
+    x = _self(func, args, kwargs)
+    out_shape = tuple(_probe(func, x, args, kwargs).shape)
+    ndim = x._dec.ndim
+    dim = _dim_arg(args, kwargs)
+    dim = dim % (ndim + 1)
+    dim_map = {d: d + (d >= dim) for d in range(ndim)}
+    return DomainTensor(x._local.unsqueeze(dim), layout.remap(x._dec, out_shape, dim_map))
+
+
+# -- expand ------------------------------------------------------------------------------------
+@register(T.expand, T.expand_as, torch.broadcast_to, T.broadcast_to)
+def expand(func, args, kwargs):
+    """Local, or collective when a sharded dim of global size 1 grows
+    (repartitioned to unsharded first)."""
+    x = _self(func, args, kwargs)
+    out_shape = tuple(_probe(func, x, args, kwargs).shape)
+    dec = x._dec
+    lead = len(out_shape) - dec.ndim
+    grow = [d for d in range(dec.ndim) if out_shape[d + lead] != dec.global_shape[d]]
+    local, src = x._local, dec
+    sharded = [d for d in grow if d in dec.shard]
+    if sharded:
+        src = layout.unsharded(dec, sharded)
+        local = ag.repartition(local, dec, src)
+    local_shape = src.local_shape()
+    sizes = list(out_shape[:lead]) + [local_shape[d] if d in src.shard else out_shape[d + lead]
+                                      for d in range(dec.ndim)]
+    out_dec = layout.remap(src, out_shape, {d: d + lead for d in src.shard})
+    return DomainTensor(local.expand(sizes), out_dec)
+
+
+# -- view / reshape ----------------------------------------------------------------------------
+def _groups(old: Sequence[int], new: Sequence[int]) -> list[tuple[list[int], list[int]]]:
+    """Consecutive old dims and consecutive new dims with equal products (both
+    shapes have the same positive number of elements)."""
+    groups, i, j = [], 0, 0
+    while i < len(old) or j < len(new):
+        o, n, po, pn = [], [], 1, 1
+        if i < len(old):
+            o.append(i)
+            po *= old[i]
+            i += 1
+        if j < len(new):
+            n.append(j)
+            pn *= new[j]
+            j += 1
+        while po != pn:
+            if po < pn:
+                o.append(i)
+                po *= old[i]
+                i += 1
+            else:
+                n.append(j)
+                pn *= new[j]
+                j += 1
+        groups.append((o, n))
+    return groups
+
+
+def _nonempty(sizes) -> int:
+    return sum(1 for s in sizes if s)
+
+
+class _Plan:
+    """Where a reshape's sharded dims go: the source layout the block must be in
+    (``src``; the input's own when no repartition is needed) and the output's."""
+
+    def __init__(self):
+        self.src_shard, self.src_sizes, self.out_shard, self.out_sizes = {}, {}, {}, {}
+        self.moves: list[str] = []  # why the blocks must be repartitioned, if they must
+
+
+def _plan(func, x: DomainTensor, new_shape: tuple[int, ...]) -> _Plan:
+    dec = x._dec
+    old = dec.global_shape
+    plan = _Plan()
+    src_shard, src_sizes = plan.src_shard, plan.src_sizes
+    out_shard, out_sizes = plan.out_shard, plan.out_sizes
+    for o, n in _groups(old, new_shape):
+        sharded = [d for d in o if d in dec.shard]
+        if not sharded:
+            continue
+        o_nz = [d for d in o if old[d] != 1]
+        n_nz = [d for d in n if new_shape[d] != 1]
+        wide = [d for d in sharded if old[d] != 1]
+        if not wide:
+            # Only sharded size-1 dims: one alone in an all-size-1 group moves to
+            # the first new dim; any other is made unsharded (src leaves it out).
+            if not o_nz and len(sharded) == 1 and n:
+                d = sharded[0]
+                src_shard[d], src_sizes[d] = dec.shard[d], dec.block_sizes(d)
+                out_shard[n[0]], out_sizes[n[0]] = dec.shard[d], dec.block_sizes(d)
+            else:
+                plan.moves.append(f"sharded dims {sharded} of global size 1 must be made "
+                                  f"unsharded to merge old dims {o} into new dims {n}")
+            continue
+        if len(wide) > 1:
+            raise _refuse(func, x, (
+                f"old dims {wide} (global shape {tuple(old)}) are all sharded and would "
+                f"merge into new dims {n} of shape {tuple(new_shape)}; one of them would have "
+                f"to be gathered whole along its grid axis. Repartition first "
+                f"(x.redistribute(...)) so that at most one dim of the group is sharded"))
+        d = wide[0]
+        axis, o0, n0 = dec.shard[d], o_nz[0], n_nz[0]
+        inner = math.prod(old[k] for k in o_nz[1:])
+        inner_new = math.prod(new_shape[k] for k in n_nz[1:])
+        sizes = dec.block_sizes(d)
+        if d == o0 and all(s * inner % inner_new == 0 for s in sizes):
+            src_shard[d], src_sizes[d] = axis, sizes
+        else:
+            unit = inner_new // math.gcd(inner, inner_new)
+            target = tuple(b * unit for b in balanced_sizes(old[o0] // unit, len(sizes)))
+            if _nonempty(target) < min(2, _nonempty(sizes)):
+                raise _refuse(func, x, (
+                    f"old dims {o} of shape {tuple(old[k] for k in o)} (sharded dim {d}) become "
+                    f"new dims {n} of shape {tuple(new_shape[k] for k in n)}; the blocks would "
+                    f"have to be whole multiples of {unit} rows of dim {o0}, and the "
+                    f"{old[o0]} rows give only one such block, which would gather the dim onto "
+                    f"one rank"))
+            src_shard[o0], src_sizes[o0], sizes = axis, target, target
+            plan.moves.append(
+                f"old dims {o} become new dims {n}, and sharded dim {d} "
+                + (f"has blocks {list(dec.block_sizes(d))} that are not all multiples of "
+                   f"{unit}" if d == o0 else f"is not the outermost dim of them ({o0})")
+                + f": the blocks must be repartitioned to {list(target)} rows of dim {o0}")
+        out_shard[n0] = axis
+        out_sizes[n0] = tuple(s * inner // inner_new for s in sizes)
+    return plan
+
+
+def _reshape_to(func, x: DomainTensor, new_shape: tuple[int, ...], *, view: bool):
+    dec = x._dec
+    if math.prod(new_shape) == 0 or not dec.shard:
+        # Nothing to lay out (no elements, or no cut): the block is the whole tensor
+        # or empty on every rank, and comes back unsharded.
+        out = layout.derive(dec, new_shape, {}, {})
+        local = x._local.view(new_shape) if view else x._local.reshape(new_shape)
+        return DomainTensor(local, out)
+    plan = _plan(func, x, new_shape)
+    src = layout.derive(dec, dec.global_shape, plan.src_shard, plan.src_sizes)
+    local = x._local
+    if src != dec:
+        if view:
+            raise _refuse(func, x, (
+                f"viewing it as {tuple(new_shape)} needs its blocks repartitioned first ("
+                + "; ".join(plan.moves) + "), which a view never does; reshape would "
+                f"repartition, use it instead"))
+        local = ag.repartition(local, dec, src)
+    out = layout.derive(dec, new_shape, plan.out_shard, plan.out_sizes)
+    shape = out.local_shape()
+    return DomainTensor(local.view(shape) if view else local.reshape(shape), out)
+
+
+def _is_dtype_view(args, kwargs) -> bool:
+    a = args[1] if len(args) > 1 else kwargs.get("dtype")
+    return isinstance(a, torch.dtype)
+
+
+@register(T.view, T.view_as)
+def view(func, args, kwargs):
+    """Local: a view never moves data (see the module docstring)."""
+    x = _self(func, args, kwargs)
+    out_shape = tuple(_probe(func, x, args, kwargs).shape)
+    if func is T.view and _is_dtype_view(args, kwargs):
+        dtype = args[1] if len(args) > 1 else kwargs["dtype"]
+        if out_shape == tuple(x._dec.global_shape):
+            return DomainTensor(x._local.view(dtype), x._dec)
+        if x._dec.ndim - 1 in x._dec.shard:
+            raise _refuse(func, x, f"viewing it as {dtype} changes the size of the last dim, "
+                                   f"which is sharded")
+        return DomainTensor(x._local.view(dtype),
+                            layout.remap(x._dec, out_shape, {d: d for d in x._dec.shard}))
+    return _reshape_to(func, x, out_shape, view=True)
+
+
+@register(torch.reshape, T.reshape, T.reshape_as, torch.flatten, T.flatten, torch.unflatten,
+          T.unflatten, torch.ravel, T.ravel)
+def reshape(func, args, kwargs):
+    """Local, or collective when the blocks must be repartitioned first (see the
+    module docstring)."""
+    x = _self(func, args, kwargs)
+    out_shape = tuple(_probe(func, x, args, kwargs).shape)
+    return _reshape_to(func, x, out_shape, view=False)
+
+
+# -- in-place shape changes: refused -----------------------------------------------------------
+def _in_place_names():
+    for name in ("squeeze_", "unsqueeze_", "transpose_", "t_", "swapdims_", "swapaxes_",
+                 "resize_", "resize_as_", "as_strided_", "as_strided", "set_"):
+        f = getattr(T, name, None)
+        if f is not None:
+            yield f
+    if hasattr(torch, "as_strided"):
+        yield torch.as_strided
+
+
+@register(*_in_place_names())
+def in_place_shape(func, args, kwargs):
+    x = args[0]
+    raise UnsupportedOpError(
+        f"{op_name(func)} on a DomainTensor (global shape {tuple(x.shape)}): a DomainTensor's "
+        f"global shape and strides are fixed; use the out-of-place op and assign its result "
+        f"(e.g. x = x.squeeze(0) instead of x.squeeze_(0))")
