@@ -18,6 +18,7 @@ cross_entropy and nll_loss apply log_softmax / pick the class along dim 1 (dim
 from __future__ import annotations
 
 import math
+import sys
 
 import torch
 import torch.nn.functional as F
@@ -91,6 +92,8 @@ def elementwise_loss(func, args, kwargs):
     a = _bind(func, args, kwargs, names, {"reduction": "mean", **defaults})
     reduction = _check_common(func, a)
     x, target, weight = a["input"], a["target"], a.get("weight")
+    if func is F.l1_loss and weight is None:
+        weight = _l1_weight_dropped_by_torch()
     if weight is not None and tuple(weight.shape) != tuple(x.shape):
         raise ValueError("Weights and input must have the same size.")
     operands = [t for t in (x, target, weight) if isinstance(t, torch.Tensor)]
@@ -107,6 +110,26 @@ def elementwise_loss(func, args, kwargs):
     if weight is not None and func in _WEIGHT_SUM_MEAN:
         return total / _replicated_total(weight)
     return total / math.prod(out_shape)
+
+
+def _l1_weight_dropped_by_torch():
+    """The ``weight`` that F.l1_loss was called with, when torch left it out.
+
+    torch's F.l1_loss does not pass ``weight`` on to ``handle_torch_function``
+    (mse_loss and huber_loss do), so a rule never sees it; computing the
+    unweighted loss would be silently wrong. The caller's frame still holds it.
+    """
+    frame = sys._getframe(1)
+    for _ in range(12):
+        frame = frame.f_back
+        if frame is None:
+            return None
+        if frame.f_code is _L1_CODE:
+            return frame.f_locals.get("weight")
+    return None
+
+
+_L1_CODE = getattr(F.l1_loss, "__code__", None)
 
 
 # -- cross entropy, nll ------------------------------------------------------------------------
@@ -145,20 +168,18 @@ def class_loss(func, args, kwargs):
     extra = {"ignore_index": a["ignore_index"]}
     if func is F.cross_entropy:
         extra["label_smoothing"] = a["label_smoothing"]
+    # The loss per position: x's layout without the class dim.
+    tshape = _drop(x.shape, cdim)
+    tdec = layout.remap(dec, tshape, {d: (d if d < cdim else d - 1) for d in dec.shard})
     prob_target = tuple(target.shape) == tuple(x.shape)
-    if prob_target:
-        if func is F.nll_loss:
-            raise ValueError(f"nll_loss: expected a target of shape {_drop(x.shape, cdim)} "
-                             f"(class indices), got {tuple(target.shape)}")
-        tdec = dec
-    else:
-        tshape = _drop(x.shape, cdim)
-        if tuple(target.shape) != tshape:
-            raise ValueError(f"{op_name(func)}: expected a target of shape {tshape} (class "
-                             f"indices) or {tuple(x.shape)} (class probabilities), got "
-                             f"{tuple(target.shape)}")
-        tdec = layout.remap(dec, tshape, {d: (d if d < cdim else d - 1) for d in dec.shard})
-    local_target = onto(target, tdec)
+    if prob_target and func is F.nll_loss:
+        raise ValueError(f"nll_loss: expected a target of shape {tshape} (class indices), got "
+                         f"{tuple(target.shape)}")
+    if not prob_target and tuple(target.shape) != tshape:
+        raise ValueError(f"{op_name(func)}: expected a target of shape {tshape} (class "
+                         f"indices) or {tuple(x.shape)} (class probabilities), got "
+                         f"{tuple(target.shape)}")
+    local_target = onto(target, dec if prob_target else tdec)
     # The class weights enter every block's computation: gradient (if any) summed.
     local_weight = None if weight is None else enter_domain(weight, tdec, {})
     elem = func(x._local, local_target, weight=local_weight, reduction="none", **extra)
@@ -168,7 +189,7 @@ def class_loss(func, args, kwargs):
     if reduction == "sum":
         return total
     if prob_target:  # torch divides by the number of positions, weight or not
-        return total / math.prod(_drop(x.shape, cdim))
+        return total / math.prod(tshape)
     # Class indices: torch divides by the summed class weights of the
     # non-ignored targets (their count without weight), over the whole tensor.
     kept = local_target != a["ignore_index"]
