@@ -75,8 +75,7 @@ def adjoint_test(forward: Callable, x, *, adjoint: Callable | None = None, x_spa
     fx = forward(x)
     y_space = _space_of(fx, y_space)
     x_space = _space_of(x, x_space)
-    rank = MPI.COMM_WORLD.Get_rank()
-    y = _random_like(fx, y_space, seed, rank)
+    y = _random_like(fx, y_space, seed, _rank_in(y_space))
     if adjoint is not None:
         fty = adjoint(y)
     else:
@@ -94,6 +93,17 @@ def adjoint_test(forward: Callable, x, *, adjoint: Callable | None = None, x_spa
         raise AssertionError(f"adjoint test failed: <F x, y> = {lhs!r}, <x, F* y> = {rhs!r}, "
                              f"relative error {err:.3e} > {tol:.1e}")
     return err
+
+
+def _rank_in(space) -> int:
+    """The seed offset of this rank's random values in ``space``: replicas of one
+    block (ranks that differ only along replicated grid axes) must draw the same
+    values, or the collectives that read one replica see another's numbers."""
+    if space is None:
+        return 0
+    if isinstance(space, Decomposition):
+        return space.grid.sub(space.shard.values()).Get_rank()
+    return space.Get_rank()
 
 
 def _abs(v):
