@@ -20,7 +20,8 @@ refused on sharded ones. Nothing here gathers a whole tensor.
 """
 from __future__ import annotations
 
-from typing import Any, Sequence
+import operator
+from typing import Sequence
 
 import torch
 
@@ -182,11 +183,6 @@ def stack(func, args, kwargs):
 
 
 # -- indexing -------------------------------------------------------------------------------------
-def _is_advanced(i) -> bool:
-    return isinstance(i, (torch.Tensor, list)) or (
-        hasattr(i, "__array__") and not isinstance(i, (int, slice)))
-
-
 def _expand_index(func, index, ndim: int) -> list:
     """``index`` as a list with Ellipsis expanded (None kept)."""
     items = list(index) if isinstance(index, tuple) else [index]
@@ -198,23 +194,27 @@ def _expand_index(func, index, ndim: int) -> list:
             consumed += max(i.ndim, 1)
         else:
             consumed += 1
-    if sum(i is Ellipsis for i in items) > 1:
+    ellipses = [k for k, i in enumerate(items) if i is Ellipsis]
+    if len(ellipses) > 1:
         raise IndexError(f"{op_name(func)}: an index can only have a single ellipsis ('...')")
     if consumed > ndim:
         raise IndexError(f"{op_name(func)}: too many indices for tensor of dimension {ndim}")
-    if Ellipsis in [i for i in items if not isinstance(i, torch.Tensor)]:
-        at = next(k for k, i in enumerate(items) if i is Ellipsis and not isinstance(i, torch.Tensor))
-        items[at:at + 1] = [slice(None)] * (ndim - consumed)
+    if ellipses:
+        items[ellipses[0]:ellipses[0] + 1] = [slice(None)] * (ndim - consumed)
     else:
         items += [slice(None)] * (ndim - consumed)
     return items
 
 
 def _int(i) -> int | None:
+    """``i`` as an int index (Python or numpy int, 0-d integer tensor), else None."""
     if isinstance(i, bool):
         return None
     if isinstance(i, int):
         return i
+    if not isinstance(i, (torch.Tensor, slice, list, tuple)) and i is not None \
+            and i is not Ellipsis and hasattr(i, "__index__"):
+        return operator.index(i)
     if isinstance(i, torch.Tensor) and i.ndim == 0 and not i.is_floating_point() \
             and i.dtype != torch.bool and not isinstance(i, DomainTensor):
         return int(i)
@@ -258,6 +258,9 @@ def _basic_plan(func, x: DomainTensor, index):
                 raise UnsupportedOpError(f"{op_name(func)}: indexing with a DomainTensor index "
                                          f"is not supported; {layout.sharded_dims_text(dec)}")
             idx = torch.as_tensor(it)
+            if idx.dtype == torch.bool and idx.ndim == 0:
+                raise UnsupportedOpError(f"{op_name(func)}: a 0-d bool index on a DomainTensor "
+                                         f"is not supported")
             span = max(idx.ndim, 1) if idx.dtype == torch.bool else 1
             hit = [k for k in range(d, d + span) if k in cur.shard]
             if hit or len(advanced) > 1 or adv_seen or (idx.dtype == torch.bool and idx.ndim > 1):
@@ -371,7 +374,7 @@ def setitem(func, args, kwargs):
             out_d += 0 if i is not None else 1
         d += 1
     probe = DomainTensor(x._local.detach(), x._dec)
-    region, rdec, drop, _ = _basic_plan(func, probe, tuple(region_index))
+    _, rdec, drop, _ = _basic_plan(func, probe, tuple(region_index))
     rdec = _drop_dims_dec(rdec, drop)  # ints on unsharded dims: local
     if isinstance(value, torch.Tensor):
         nominal = [n for k, n in enumerate(rdec.global_shape) if k not in unit_pos]
