@@ -48,14 +48,36 @@ def target_shard(shard):
     return moved(t, (1, 2, 0))
 
 
+# Several losses go through one oracle call (fewer collectives, a faster suite):
+# scalar results ('mean', 'sum') stacked into one vector, per-position results
+# ('none') summed with distinct coefficients, so that no term can hide another.
+def scalars(*values):
+    return torch.stack(list(values))
+
+
+def combined(*maps):
+    out = maps[0]
+    for i, m in enumerate(maps[1:]):
+        out = out + (0.5 + 0.37 * i) * m
+    return out
+
+
 # -- elementwise losses ---------------------------------------------------------------------------
 ELEMENTWISE = [
-    ("mse", lambda a, b, r: F.mse_loss(a, b, reduction=r)),
-    ("l1", lambda a, b, r: F.l1_loss(a, b, reduction=r)),
-    ("smooth_l1", lambda a, b, r: F.smooth_l1_loss(a, b, reduction=r, beta=0.5)),
-    ("huber", lambda a, b, r: F.huber_loss(a, b, reduction=r, delta=0.7)),
-    ("nn.MSELoss", lambda a, b, r: torch.nn.MSELoss(reduction=r)(a, b)),
+    lambda a, b, r: F.mse_loss(a, b, reduction=r),
+    lambda a, b, r: F.l1_loss(a, b, reduction=r),
+    lambda a, b, r: F.smooth_l1_loss(a, b, reduction=r, beta=0.5),
+    lambda a, b, r: F.huber_loss(a, b, reduction=r, delta=0.7),
+    lambda a, b, r: torch.nn.MSELoss(reduction=r)(a, b),
 ]
+
+
+def reduced(losses, *args):
+    return scalars(*(f(*args, r) for f in losses for r in ("mean", "sum")))
+
+
+def per_position(losses, *args):
+    return combined(*(f(*args, "none") for f in losses))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -64,16 +86,15 @@ def test_elementwise_losses(grid_ndim, kind, dtype):
     grid, shard, sizes = case_layout(grid_ndim, kind)
     x = global_tensor(SHAPE, dtype, seed=0)
     y = global_tensor(SHAPE, dtype, seed=1)
-    for name, loss in ELEMENTWISE:
-        for r in ("mean", "sum", "none"):
-            # Target laid out differently (repartitioned), then replicated (sliced).
-            for t_shard, t_sizes in ((moved(shard, SHARD_DIMS), None), (None, None)):
-                try:
-                    assert_matches_single_process(
-                        lambda a, b, loss=loss, r=r: loss(a, b, r), (x, y), grid,
-                        [shard, t_shard], sizes=[sizes, t_sizes])
-                except AssertionError as e:
-                    raise AssertionError(f"{name}, reduction={r}, target shard {t_shard}: {e}")
+    # Target laid out differently (repartitioned), then replicated (sliced).
+    for t_shard in (moved(shard, SHARD_DIMS), None):
+        for fn in (reduced, per_position):
+            assert_matches_single_process(lambda a, b, fn=fn: fn(ELEMENTWISE, a, b), (x, y),
+                                          grid, [shard, t_shard], sizes=[sizes, None])
+
+
+WEIGHTED = [lambda a, b, c, r, f=f: f(a, b, reduction=r, weight=c)
+            for f in (F.mse_loss, F.l1_loss, F.huber_loss)]
 
 
 @pytest.mark.parametrize("grid_ndim,kind", CASES)
@@ -82,12 +103,11 @@ def test_weighted_elementwise_losses(grid_ndim, kind):
     grid, shard, sizes = case_layout(grid_ndim, kind)
     x, y = global_tensor(SHAPE, seed=0), global_tensor(SHAPE, seed=1)
     w = global_tensor(SHAPE, seed=2).abs() + 0.1
-    for f in (F.mse_loss, F.l1_loss, F.huber_loss):
-        for r in ("mean", "sum", "none"):
-            for w_shard in (moved(shard, SHARD_DIMS), None):
-                assert_matches_single_process(
-                    lambda a, b, c, f=f, r=r: f(a, b, reduction=r, weight=c), (x, y, w), grid,
-                    [shard, shard, w_shard], sizes=[sizes, sizes, None])
+    for w_shard in (moved(shard, SHARD_DIMS), None):
+        for fn in (reduced, per_position):
+            assert_matches_single_process(lambda a, b, c, fn=fn: fn(WEIGHTED, a, b, c),
+                                          (x, y, w), grid, [shard, shard, w_shard],
+                                          sizes=[sizes, sizes, None])
 
 
 # -- cross entropy --------------------------------------------------------------------------------
@@ -98,35 +118,38 @@ CE_VARIANTS = [
 ]
 
 
+def ce_all(weight, reductions):
+    """A function of (scores, targets, targets with -100s, targets with 2s) running
+    every CE_VARIANT with each reduction, plus nn.CrossEntropyLoss and nll_loss."""
+    def fn(a, t, t100, t2):
+        out = []
+        for use_w, ignore, smoothing in CE_VARIANTS:
+            target = {None: t, -100: t100, 2: t2}[ignore]
+            kw = {"weight": weight if use_w else None, "label_smoothing": smoothing}
+            if ignore is not None:
+                kw["ignore_index"] = ignore
+            out += [F.cross_entropy(a, target, reduction=r, **kw) for r in reductions]
+        out += [F.nll_loss(F.log_softmax(a, dim=1), t100, weight=weight, reduction=r)
+                for r in reductions]
+        if reductions == ("none",):
+            return combined(*out)
+        return scalars(*out, torch.nn.CrossEntropyLoss(weight=weight)(a, t100))
+    return fn
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("grid_ndim,kind", CASES)
 def test_cross_entropy(grid_ndim, kind, dtype):
     grid, shard, sizes = case_layout(grid_ndim, kind)
     x = global_tensor(SHAPE, dtype, seed=0) * 2
     weight = torch.tensor([0.3, 1.0, 2.5], dtype=dtype)
+    targets = (class_targets(), class_targets(ignore=-100), class_targets(ignore=2))
+    # Targets laid out differently from the scores (repartitioned), one replicated.
     t_shard = target_shard(shard)
-    for use_w, ignore, smoothing in CE_VARIANTS:
-        t = class_targets(ignore=ignore)
-        kw = {"weight": weight if use_w else None, "label_smoothing": smoothing}
-        if ignore is not None:
-            kw["ignore_index"] = ignore
-        for r in ("mean", "sum", "none"):
-            try:
-                assert_matches_single_process(
-                    lambda a, b, kw=kw, r=r: F.cross_entropy(a, b, reduction=r, **kw), (x, t),
-                    grid, [shard, t_shard], sizes=[sizes, None])
-            except AssertionError as e:
-                raise AssertionError(f"weight={use_w}, ignore={ignore}, smoothing={smoothing}, "
-                                     f"reduction={r}: {e}")
-    # Replicated targets; nn.CrossEntropyLoss; nll_loss after log_softmax.
-    t = class_targets(ignore=-100)
-    assert_matches_single_process(
-        lambda a, b: torch.nn.CrossEntropyLoss(weight=weight)(a, b), (x, t), grid, [shard, None],
-        sizes=[sizes, None])
-    for r in ("mean", "sum"):
-        assert_matches_single_process(
-            lambda a, b, r=r: F.nll_loss(F.log_softmax(a, dim=1), b, weight=weight, reduction=r),
-            (x, t), grid, [shard, t_shard], sizes=[sizes, None])
+    for reductions in (("mean", "sum"), ("none",)):
+        assert_matches_single_process(ce_all(weight, reductions), (x,) + targets, grid,
+                                      [shard, t_shard, None, t_shard],
+                                      sizes=[sizes, None, None, None])
 
 
 @pytest.mark.parametrize("grid_ndim,kind", CASES)
@@ -135,11 +158,11 @@ def test_cross_entropy_probability_targets(grid_ndim, kind):
     x = global_tensor(SHAPE, seed=0)
     p = torch.softmax(global_tensor(SHAPE, seed=3), dim=1)
     weight = torch.tensor([0.3, 1.0, 2.5], dtype=torch.float64)
-    for kw in ({}, {"weight": weight}, {"label_smoothing": 0.1}):
-        for r in ("mean", "sum", "none"):
-            assert_matches_single_process(
-                lambda a, b, kw=kw, r=r: F.cross_entropy(a, b, reduction=r, **kw), (x, p), grid,
-                [shard, moved(shard, SHARD_DIMS)], sizes=[sizes, None])
+    losses = [lambda a, b, r, kw=kw: F.cross_entropy(a, b, reduction=r, **kw)
+              for kw in ({}, {"weight": weight}, {"label_smoothing": 0.1})]
+    for fn in (reduced, per_position):
+        assert_matches_single_process(lambda a, b, fn=fn: fn(losses, a, b), (x, p), grid,
+                                      [shard, moved(shard, SHARD_DIMS)], sizes=[sizes, None])
 
 
 def test_cross_entropy_mean_denominator_is_global():
@@ -200,32 +223,34 @@ def test_linear_and_matmul(grid_ndim, kind, dtype):
     w = global_tensor((4, 3), dtype, seed=1)
     b = global_tensor((4,), dtype, seed=2)
     v = global_tensor((3,), dtype, seed=3)
+
+    def right(a, m, c, u):  # x @ W forms; the 4-wide ones summed over their last dim
+        wide = combined(F.linear(a, m, c), F.linear(a, m), a @ m.T, torch.matmul(a, m.T))
+        return combined(wide.sum(-1), a.matmul(u), F.linear(a, u))
+
     # Replicated operands (shard None) get their gradients compared too.
-    for fn, ins in ((lambda a, m, c: F.linear(a, m, c), (x, w, b)),
-                    (lambda a, m: F.linear(a, m), (x, w)),
-                    (lambda a, m: a @ m.T, (x, w)),
-                    (lambda a, m: torch.matmul(a, m.T), (x, w)),
-                    (lambda a, m: a.matmul(m), (x, v))):
-        assert_matches_single_process(fn, ins, grid, [shard] + [None] * (len(ins) - 1),
-                                      sizes=[sizes] + [None] * (len(ins) - 1))
+    assert_matches_single_process(right, (x, w, b, v), grid, [shard, None, None, None],
+                                  sizes=[sizes, None, None, None])
     # W @ x contracts x's dim -2 (unsharded here: shard dims 1, 3, 0).
     xt = global_tensor((2, 7, 3, 5), dtype, seed=4)
     grid2, shard2, sizes2 = layout(xt.shape, (1, 3, 0), grid_ndim, kind)
-    for fn, ins in ((lambda m, a: m @ a, (w, xt)), (lambda m, a: torch.matmul(m, a), (v, xt))):
-        assert_matches_single_process(fn, ins, grid2, [None, shard2], sizes=[None, sizes2])
+    assert_matches_single_process(lambda m, u, a: combined((m @ a).sum(-2), torch.matmul(u, a)),
+                                  (w, v, xt), grid2, [None, None, shard2],
+                                  sizes=[None, None, sizes2])
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("grid_ndim,kind", CASES)
 def test_softmax(grid_ndim, kind, dtype):
+    """Along sharded dims 2, 3, 0 (global max and sum) and the unsharded dim 1."""
     grid, shard, sizes = case_layout(grid_ndim, kind)
     x = global_tensor(SHAPE, dtype, seed=0) * 3
-    fns = [lambda a: F.softmax(a, dim=2), lambda a: F.log_softmax(a, 2),
-           lambda a: a.softmax(-1), lambda a: torch.log_softmax(a, dim=0),
-           lambda a: torch.softmax(a, 1), lambda a: a.log_softmax(dim=1),
-           lambda a: F.softmax(a, dim=3, dtype=torch.float64)]
-    for fn in fns:
-        assert_matches_single_process(fn, (x,), grid, shard, sizes=sizes)
+    assert_matches_single_process(
+        lambda a: combined(F.softmax(a, dim=2), F.log_softmax(a, 2), a.softmax(-1),
+                           torch.log_softmax(a, dim=0), torch.softmax(a, 1),
+                           a.log_softmax(dim=1), F.softmax(a, dim=3, dtype=dtype),
+                           torch.special.log_softmax(a, 3)),
+        (x,), grid, shard, sizes=sizes)
 
 
 # -- refusals, on every rank ----------------------------------------------------------------------
