@@ -278,3 +278,16 @@ def test_mirror_exchange_adjoint(case, dtype):
 
         adjoint_test(mirror, x)
         adjoint_test(lambda t, d=d: t.flip(d), x)
+
+
+REPLICATED = [CatParam(), SetParam(), lambda x: x.flip(2), lambda x: x[:, :, 3],
+              lambda x: x.roll(2, 2), lambda x: torch.cat([x, x[:, :, 1:4]], 2)]
+
+
+@pytest.mark.parametrize("kind", ["even", "zero"])
+@pytest.mark.parametrize("k", range(len(REPLICATED)))
+def test_with_a_replicated_grid_axis(k, kind):
+    """Grid axis 1 cuts no dim: its ranks hold replicas, which must neither send
+    twice nor double a gradient."""
+    grid, shard, sizes = layout(SHAPE, (2,), 2, kind)
+    assert_matches_single_process(REPLICATED[k], global_tensor(SHAPE), grid, shard, sizes=sizes)
