@@ -56,7 +56,14 @@ def onto(a: Any, out_dec: Decomposition) -> Any:
         target = layout.derive(a._dec, a._dec.global_shape,
                                {ad: out_dec.shard[od] for ad, od in dims.items()},
                                {ad: out_dec.block_sizes(od) for ad, od in dims.items()})
-        return ag.repartition(a._local, a._dec, target)
+        local = ag.repartition(a._local, a._dec, target)
+        # Along output axes where ``a`` is broadcast (a size-1 or missing dim) every
+        # rank of the axis uses the same block of ``a``: its gradient is the sum of
+        # their contributions, as for any replicated value entering per-block work.
+        broadcast_axes = set(out_dec.shard.values()) - set(target.shard.values())
+        if broadcast_axes and local.requires_grad and torch.is_grad_enabled():
+            local = ag.broadcast(local, out_dec.grid.sub(broadcast_axes))
+        return local
     if isinstance(a, torch.Tensor):
         return enter_domain(a, out_dec, aligned_dims(a, out_dec))
     return a
