@@ -218,6 +218,14 @@ def test_split_view_refused_reshape_repartitions():
                                   global_tensor((n, 5)), x.grid, {0: 0}, sizes={0: sizes})
 
 
+def test_view_of_non_contiguous_blocks_copies_on_every_rank():
+    # Empty blocks view where full ones cannot: every rank must take the same path.
+    grid, shard, sizes = layout((6, 4, 5), (0,), 1, "zero")
+    x = shard_like(global_tensor((6, 4, 5)), grid, shard, sizes)
+    y = x.transpose(1, 2).view(6, 20)
+    assert torch.equal(y.full_tensor(), global_tensor((6, 4, 5)).transpose(1, 2).reshape(6, 20))
+
+
 def test_view_refuses_merge_with_inner_sharded_dim():
     x = sharded((4, 6, 5), {1: 0})
     raises_everywhere(lambda: x.view(24, 5), "Tensor.view", "not the outermost", "(4, 6, 5)")

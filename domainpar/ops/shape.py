@@ -49,6 +49,11 @@ when looking for the outermost dim of a group. Per group:
   new dims (it moves to the first of them), otherwise made unsharded first
   (reshape; view refuses).
 
+``view`` never moves data between ranks, but a block whose strides do not allow
+a view (after a permute, say) is copied instead of raising: whether a view is
+possible can differ between ranks (an empty block always views), and an error
+on some ranks only would hang the others.
+
 A tensor with no elements is reshaped in the block and comes back unsharded
 (there is nothing to lay out). ``view(dtype)`` keeps the layout when the item
 sizes match, and otherwise needs the last dim unsharded.
@@ -283,6 +288,9 @@ def _plan(func, x: DomainTensor, new_shape: tuple[int, ...]) -> _Plan:
                 f"to be gathered whole along its grid axis. Repartition first "
                 f"(x.redistribute(...)) so that at most one dim of the group is sharded"))
         d = wide[0]
+        if len(sharded) > 1:
+            plan.moves.append(f"sharded dims {[k for k in sharded if k != d]} of global size 1 "
+                              f"must be made unsharded to merge old dims {o} into new dims {n}")
         axis, o0, n0 = dec.shard[d], o_nz[0], n_nz[0]
         inner = math.prod(old[k] for k in o_nz[1:])
         inner_new = math.prod(new_shape[k] for k in n_nz[1:])
@@ -316,7 +324,7 @@ def _reshape_to(func, x: DomainTensor, new_shape: tuple[int, ...], *, view: bool
         # Nothing to lay out (no elements, or no cut): the block is the whole tensor
         # or empty on every rank, and comes back unsharded.
         out = layout.derive(dec, new_shape, {}, {})
-        local = x._local.view(new_shape) if view else x._local.reshape(new_shape)
+        local = _local_view(x._local, new_shape) if view else x._local.reshape(new_shape)
         return DomainTensor(local, out)
     plan = _plan(func, x, new_shape)
     src = layout.derive(dec, dec.global_shape, plan.src_shard, plan.src_sizes)
@@ -329,8 +337,19 @@ def _reshape_to(func, x: DomainTensor, new_shape: tuple[int, ...], *, view: bool
                 f"repartition, use it instead"))
         local = ag.repartition(local, dec, src)
     out = layout.derive(dec, new_shape, plan.out_shard, plan.out_sizes)
-    shape = out.local_shape()
-    return DomainTensor(local.view(shape) if view else local.reshape(shape), out)
+    return DomainTensor(_local_view(local, out.local_shape()) if view
+                        else local.reshape(out.local_shape()), out)
+
+
+def _local_view(local: torch.Tensor, shape) -> torch.Tensor:
+    """The block viewed as ``shape``, or copied when its strides do not allow a
+    view: whether they do can differ between ranks (an empty or one-row block
+    views where a larger one does not), and a refusal on some ranks only would
+    leave the others waiting in their next collective."""
+    try:
+        return local.view(shape)
+    except RuntimeError:
+        return local.reshape(shape)
 
 
 def _is_dtype_view(args, kwargs) -> bool:
