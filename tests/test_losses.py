@@ -279,9 +279,9 @@ def test_refusals_raise_on_every_rank():
         (lambda: torch.matmul(x, y), dp.UnsupportedOpError, "both operands"),
         (lambda: torch.matmul(x, torch.ones(3, 5, 4, dtype=torch.float64)),
          dp.UnsupportedOpError, "batched"),
-        # The operator form refuses too, but torch turns any TypeError raised under
-        # `a @ b` into NotImplemented, so Python's generic message is what comes out.
-        (lambda: last @ w.T, TypeError, "unsupported operand"),
+        # The operator form keeps the message (UnsupportedOpError is no TypeError,
+        # which torch would turn into NotImplemented and a generic message).
+        (lambda: last @ w.T, dp.UnsupportedOpError, "contracted"),
         (lambda: F.linear(w, x), dp.UnsupportedOpError, "only the input"),
     ]
     raised = []

@@ -50,7 +50,7 @@ _ATTRIBUTE_RULES: dict[str, Callable] = {}
 _GATHER_ALLOWED = contextvars.ContextVar("domainpar_allow_gather", default=False)
 
 
-class UnsupportedOpError(DomainparError, TypeError):
+class UnsupportedOpError(DomainparError, NotImplementedError):
     """A torch op on a DomainTensor with no domain-parallel rule (or options the
     rule does not support)."""
 
