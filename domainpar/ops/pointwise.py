@@ -94,6 +94,20 @@ def elementwise(func, args, kwargs):
     return wrap(func, func(*local_args, **local_kwargs), out_dec)
 
 
+@register(torch.zeros_like, torch.ones_like, torch.full_like, torch.empty_like)
+def constant_like(func, args, kwargs):
+    """Local. A constant tensor with the layout of its DomainTensor argument (each
+    rank fills its block). The random ``*_like`` ops have no rule: per-block
+    draws would not equal one process's draw."""
+    x = args[0] if args else kwargs.pop("input")
+    if not isinstance(x, DomainTensor):
+        raise UnsupportedOpError(f"{op_name(func)}: a DomainTensor fill value is not supported")
+    if kwargs.get("memory_format") not in (None, torch.preserve_format, torch.contiguous_format):
+        raise UnsupportedOpError(f"{op_name(func)}: memory_format is not supported on "
+                                 f"DomainTensors")
+    return DomainTensor(func(x._local, *args[1:], **kwargs), x._dec)
+
+
 @register(F.prelu)
 def prelu(func, args, kwargs):
     """prelu's weight applies along dim 1, not by broadcasting from the right."""
