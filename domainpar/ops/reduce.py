@@ -174,7 +174,10 @@ def _extremum_with_index(func, x: DomainTensor, dim: int, keepdim: bool, op: str
     keep = _keep_shape(local, (dim,))
     if local.shape[dim] == 0:
         fill = _lowest(local.dtype) if op == "max" else _highest(local.dtype)
-        values = torch.full(keep, fill, dtype=local.dtype, device=local.device)
+        # + the (zero) sum of the empty block: the result stays in local's graph,
+        # so every rank takes part in backward, an empty block included.
+        values = torch.full(keep, fill, dtype=local.dtype, device=local.device) + \
+            local.sum(dim=dim, keepdim=True)
         indices = torch.zeros(keep, dtype=torch.long, device=local.device)
     else:
         values, indices = func(local, dim, True)
@@ -215,9 +218,10 @@ def _var_args(func, args, kwargs):
         kwargs["unbiased"] = rest.pop(0)
     elif rest:
         dim = rest.pop(0)
+    # After dim, positionals are (unbiased, keepdim), as torch's overload takes them.
+    # (Popping inside a subscripted assignment would pop before the key is read.)
     if rest:
-        kwargs["unbiased" if isinstance(rest[0], bool) and len(rest) > 1 else "keepdim"] = \
-            rest.pop(0)
+        kwargs["unbiased"] = rest.pop(0)
     if rest:
         kwargs["keepdim"] = rest.pop(0)
     correction = kwargs.pop("correction", None)
@@ -275,8 +279,12 @@ def _vector_norm(func, args, kwargs):
 
 @register(torch.norm, T.norm)
 def _norm(func, args, kwargs):
-    x, p, dim, keepdim, dtype = _bind(func, args, kwargs,
-                                      ("input", "p", "dim", "keepdim", "dtype"), {"p": "fro"})
+    # torch.norm(input, p, dim, keepdim, out, dtype); the Python wrapper passes out=None.
+    x, p, dim, keepdim, out, dtype = _bind(func, args, kwargs,
+                                           ("input", "p", "dim", "keepdim", "out", "dtype"),
+                                           {"p": "fro"})
+    if out is not None:
+        raise UnsupportedOpError(f"{op_name(func)}: out= is not supported on DomainTensors")
     if p == "fro" or p is None:
         p = 2.0
     if isinstance(p, str):
