@@ -76,7 +76,11 @@ class DomainTensor(torch.Tensor):
             stories = grid.comm.allgather((problem, shape, dtype))
             sizes, problem = _sizes_from_shapes(stories, grid, shard)
             agree(grid.comm, problem, what="from_local")
-            dec = Decomposition(stories[0][1], grid, shard, sizes, check=False)
+            # The global shape: any block's, with each sharded dim the sum of its sizes.
+            global_shape = list(stories[0][1])
+            for d, s in sizes.items():
+                global_shape[d] = sum(s)
+            dec = Decomposition(global_shape, grid, shard, sizes, check=False)
             return cls(block, dec)
         if problem is None:
             global_shape = list(shape)
