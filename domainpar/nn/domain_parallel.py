@@ -35,6 +35,7 @@ from ..autograd._arrays import to_array
 from ..comm import collectives
 from ..comm.grid import ProcessGrid
 from ..tensor import params as domain_params
+from ..tensor.dispatch import UnsupportedOpError
 
 
 class DomainParallel(torch.nn.Module):
@@ -105,7 +106,7 @@ class _Reducer:
         own = self._comms[id(comm)]
         previous = self._comm_of.setdefault(pid, own)
         if previous is not own:
-            raise NotImplementedError(
+            raise UnsupportedOpError(
                 "DomainParallel: a parameter used on tensors sharded over different grid "
                 "axes in one step; use it outside DomainParallel (per-op reductions)")
         self._expected[pid] = self._expected.get(pid, 0) + 1
