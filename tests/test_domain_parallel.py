@@ -82,14 +82,15 @@ def test_training_matches_one_process(wrapped, kind, dtype):
     assert_same_parameters(sharded, reference, rtol, atol)
 
 
+@pytest.mark.parametrize("overlap", [True, False], ids=["nonblocking", "blocking"])
 @pytest.mark.parametrize("bucket_cap_mb", [1e-5, 25.0])
-def test_domain_parallel_gradients_match(bucket_cap_mb):
+def test_domain_parallel_gradients_match(bucket_cap_mb, overlap):
     torch.manual_seed(1)
     grid, shard, sizes = batch_domain_grid("uneven")
     x = global_tensor((4, 3, 9, 5), torch.float64, seed=3)
     assert_matches_single_process(
         ChannelMLP().double(), x, grid, shard, sizes=sizes,
-        wrap=lambda m: dp.DomainParallel(m, grid, bucket_cap_mb=bucket_cap_mb))
+        wrap=lambda m: dp.DomainParallel(m, grid, bucket_cap_mb=bucket_cap_mb, overlap=overlap))
 
 
 def test_gradient_accumulation_over_two_backwards():

@@ -118,9 +118,13 @@ def _as_array_or_error(a):
 
 
 # -- allreduce ----------------------------------------------------------------------------
-def allreduce(a, comm: MPI.Comm, op: str = "sum"):
+def allreduce(a, comm: MPI.Comm, op: str = "sum", *, check: bool = True):
     """Collective over ``comm``. Reduce ``a`` elementwise over all processes
-    with ``op`` ('sum', 'max', 'min' or 'prod'), in place; returns ``a``."""
+    with ``op`` ('sum', 'max', 'min' or 'prod'), in place; returns ``a``.
+
+    ``check`` first makes every rank agree on shape and dtype (one more small
+    allreduce); ``check=False`` is for callers whose arrays follow from a layout
+    every rank shares (the autograd layer)."""
     arr = _as_array_or_error(a)
     problem = None
     if isinstance(arr, Exception):
@@ -133,8 +137,11 @@ def allreduce(a, comm: MPI.Comm, op: str = "sum"):
         except KeyError:
             problem = f"allreduce: MPI has no arithmetic type for dtype {arr.dtype}"
     shape = "?" if isinstance(arr, Exception) else f"{arr.dtype}{tuple(arr.shape)}"
-    agree(comm, problem, signature=signature_of(shape), what="allreduce shapes or dtypes",
-          described=shape)
+    if check:
+        agree(comm, problem, signature=signature_of(shape), what="allreduce shapes or dtypes",
+              described=shape)
+    elif problem:
+        raise LayoutError(problem)
     if comm.Get_size() == 1 or arr.size == 0:
         return a
     work = arr if arr.flags.c_contiguous else buffers.namespace(arr).ascontiguousarray(arr)
@@ -151,6 +158,11 @@ class PendingReduction:
 
     def __init__(self, request: MPI.Request, wire, arr):
         self.request, self._wire, self._arr = request, wire, arr
+
+    def test(self) -> bool:
+        """Drive the reduction on (MPI progresses nonblocking work inside calls);
+        True once it is complete."""
+        return self.request.Test()
 
     def wait(self) -> None:
         self.request.Wait()

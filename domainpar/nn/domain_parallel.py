@@ -43,6 +43,12 @@ class DomainParallel(torch.nn.Module):
     ``grid``). Wraps ``module`` so that its parameters' gradients are summed over
     the grid bucketed and asynchronously during backward.
 
+    ``bucket_cap_mb``: the size of a bucket. ``overlap``: start each full
+    bucket's allreduce nonblocking while backward goes on (the default, for
+    networks with asynchronous progress), or reduce it at once with a blocking
+    allreduce, which is faster where nonblocking collectives are slower and do
+    not progress in the background (``domainpar bench grads`` measures both).
+
     ``module`` runs unchanged on DomainTensors; grids with a batch axis (say
     ``shard={0: 0, 2: 1}``) need nothing special: gradients are summed over all
     ranks that hold distinct data. Buffers are broadcast once here; ops that
@@ -51,14 +57,14 @@ class DomainParallel(torch.nn.Module):
     """
 
     def __init__(self, module: torch.nn.Module, grid: ProcessGrid, *,
-                 bucket_cap_mb: float = 25.0):
+                 bucket_cap_mb: float = 25.0, overlap: bool = True):
         super().__init__()
         self.module = module
         self.grid = grid
         with torch.no_grad():
             for t in itertools.chain(module.parameters(), module.buffers()):
                 _broadcast_in_place(t, grid.comm)
-        self._reducer = _Reducer(module.parameters(), int(bucket_cap_mb * 2**20))
+        self._reducer = _Reducer(module.parameters(), int(bucket_cap_mb * 2**20), overlap)
 
     def forward(self, *args, **kwargs):
         token = domain_params.set_deferrer(self._reducer.deferral)
@@ -79,8 +85,10 @@ def _broadcast_in_place(t: torch.Tensor, comm: MPI.Comm) -> None:
 class _Reducer:
     """Deferred partial gradients of one module's parameters, reduced in buckets."""
 
-    def __init__(self, parameters: Iterable[torch.nn.Parameter], bucket_bytes: int):
+    def __init__(self, parameters: Iterable[torch.nn.Parameter], bucket_bytes: int,
+                 overlap: bool = True):
         self._managed = {id(p): p for p in parameters}
+        self._overlap = overlap
         self._bucket_bytes = max(bucket_bytes, 1)
         # id(op's comm) -> (index, private duplicate); the index, not id(), orders
         # buckets, since ids differ between ranks and the order must not.
@@ -117,10 +125,11 @@ class _Reducer:
         if not self._callback_queued:
             torch.autograd.Variable._execution_engine.queue_callback(self._finish)
             self._callback_queued = True
-        if pid in self._partial:
-            self._partial[pid] = self._partial[pid] + grad
-        else:
-            self._partial[pid] = grad.detach().clone()
+        # Kept as handed over, no copy: autograd never writes to a gradient it has
+        # passed to a backward, and a second use makes a new sum.
+        self._partial[pid] = self._partial[pid] + grad if pid in self._partial else grad
+        for _, _, pending in self._launched:  # without a progress thread MPI moves
+            pending.test()                      # nonblocking work only inside calls
         self._expected[pid] = self._expected.get(pid, 1) - 1
         if self._expected[pid] <= 0:
             self._ready(pid)
@@ -137,7 +146,12 @@ class _Reducer:
         pids = self._open.pop(key)
         self._open_bytes.pop(key)
         flat = torch.cat([self._partial[pid].reshape(-1) for pid in pids])
-        request = collectives.iallreduce(to_array(flat), self._comm_of[pids[0]][1], "sum")
+        comm = self._comm_of[pids[0]][1]
+        if self._overlap:
+            request = collectives.iallreduce(to_array(flat), comm, "sum")
+        else:
+            collectives.allreduce(to_array(flat), comm, "sum", check=False)
+            request = _Done()
         self._launched.append((pids, flat, request))
 
     # -- end of backward: the rest, then write .grad ---------------------------------------------
@@ -164,3 +178,13 @@ class _Reducer:
         self._expected.clear()
         self._launched.clear()
         self._callback_queued = False
+
+
+class _Done:
+    """A reduction that completed when it was started (``overlap=False``)."""
+
+    def test(self) -> bool:
+        return True
+
+    def wait(self) -> None:
+        pass
