@@ -228,16 +228,6 @@ class MirrorExchange(torch.autograd.Function):
 
 
 def _mirror(block: torch.Tensor, comm: MPI.Comm, recv_shape) -> torch.Tensor:
-    rank, size = comm.Get_rank(), comm.Get_size()
-    partner = size - 1 - rank
-    if partner == rank:
-        return _contiguous_copy(block)
-    send = collectives._to_wire(to_array(block))
     out = torch.empty(recv_shape, dtype=block.dtype, device=block.device)
-    recv_arr = to_array(out)
-    recv = collectives._to_wire(recv_arr)
-    comm.Sendrecv([send, MPI.BYTE], dest=partner, sendtag=71,
-                  recvbuf=[recv, MPI.BYTE], source=partner, recvtag=71)
-    if recv is not recv_arr:  # staged through the host: copy back to the device
-        recv_arr[...] = collectives._from_wire(recv, recv_arr)
+    collectives.mirror_exchange(to_array(block), to_array(out), comm)
     return out

@@ -293,6 +293,27 @@ def scatterv(global_array, dec: Decomposition, root: int = 0):
     return buffers.to_device(block) if on_device else block
 
 
+# -- mirror exchange ---------------------------------------------------------------------------
+def mirror_exchange(send, recv, comm: MPI.Comm) -> None:
+    """Pairwise collective over ``comm`` (one grid axis). Send the contiguous array
+    ``send`` to the rank at the mirrored position ``size - 1 - rank`` and receive
+    that rank's array into the contiguous ``recv`` (a flip along a sharded dim
+    moves block ``c`` to coordinate ``P-1-c``). The middle rank of an odd axis
+    copies to itself. Shapes follow from a layout every rank shares, so there
+    is no agreement check."""
+    send_arr, recv_arr = buffers.as_array(send), buffers.as_array(recv)
+    partner = comm.Get_size() - 1 - comm.Get_rank()
+    if partner == comm.Get_rank():
+        buffers.namespace(recv_arr).copyto(recv_arr, send_arr.reshape(recv_arr.shape))
+        return
+    wire_send, wire_recv = _to_wire(send_arr), _to_wire(recv_arr)
+    comm.Sendrecv([wire_send.reshape(-1).view(np.uint8), MPI.BYTE], dest=partner, sendtag=71,
+                  recvbuf=[wire_recv.reshape(-1).view(np.uint8), MPI.BYTE], source=partner,
+                  recvtag=71)
+    if wire_recv is not recv_arr:  # staged through the host: back to the device
+        buffers.namespace(recv_arr).copyto(recv_arr, _from_wire(wire_recv, recv_arr))
+
+
 # -- repartition ------------------------------------------------------------------------------
 def repartition(block, src: Decomposition, dst: Decomposition):
     """Collective. Move data laid out by ``src`` into the layout ``dst`` of the
