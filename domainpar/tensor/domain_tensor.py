@@ -194,8 +194,9 @@ def scatter(t: torch.Tensor | None, grid: ProcessGrid, shard: Mapping[int, int],
         else:
             meta = (tuple(t.shape), t.dtype, t.device.type, t.requires_grad)
     problem, meta = grid.comm.bcast((problem, meta), root=src)
-    agree(grid.comm, problem)
-    shape, dtype, device_type, src_requires = grid.comm.bcast(meta, root=src)
+    if problem:  # every rank got the same story from src: all raise alike
+        raise LayoutError(problem)
+    shape, dtype, device_type, src_requires = meta
     dec = Decomposition(shape, grid, shard)
     if grid.rank == src:
         source = t
