@@ -9,10 +9,11 @@ import math
 import pytest
 import torch
 from mpi4py import MPI
+import torch.nn.functional as F
 from torch import nn
 
 import domainpar as dp
-from domainpar.testing import assert_matches_single_process
+from domainpar.testing import assert_matches_single_process, shard_like
 from tensor_cases import CASES, DTYPES, global_tensor, layout
 
 pytestmark = pytest.mark.mpi
@@ -171,3 +172,22 @@ def test_reduction_oracle_can_fail():
     with pytest.raises(AssertionError):
         assert_matches_single_process(lambda x: x.to_local().sum() if isinstance(
             x, dp.DomainTensor) else x.sum(), global_tensor(SHAPE), grid, shard)
+
+
+@pytest.mark.parametrize("grid_ndim,kind", CASES)
+@pytest.mark.parametrize("dim", [1, 2, -1])
+def test_normalize_matches_one_process(grid_ndim, kind, dim):
+    """F.normalize: a global norm along a sharded dim, local along an unsharded one."""
+    shape = (2, 3, 7, 5)
+    grid, shard, sizes = layout(shape, (2, 3, 1), grid_ndim, kind)
+    assert_matches_single_process(lambda x: F.normalize(x, p=2.0, dim=dim) * 3,
+                                  global_tensor(shape, seed=11), grid, shard, sizes=sizes)
+
+
+def test_new_factories_give_plain_tensors():
+    grid, shard, sizes = layout((4, 6), (1,), 1, "uneven")
+    x = shard_like(global_tensor((4, 6), torch.float32), grid, shard, sizes)
+    for made in (x.new_zeros(3), x.new_ones((2, 2)), x.new_full((2,), 7.0),
+                 x.new_tensor([1.0, 2.0]), x.new_empty(5)):
+        assert type(made) is torch.Tensor and made.dtype == torch.float32
+    assert torch.equal(x.new_full((2,), 7.0), torch.full((2,), 7.0))

@@ -1,4 +1,5 @@
-"""Reductions: sum, mean, amax, amin, max, min, var, std, norm, logsumexp, all, any.
+"""Reductions: sum, mean, amax, amin, max, min, var, std, norm, logsumexp, all, any
+(and F.normalize, a norm and a division).
 
 Over unsharded dims a reduction is local and keeps the layout. Over sharded
 dims each rank reduces its block, the partial results are combined over the
@@ -252,9 +253,10 @@ def global_vector_norm(x: DomainTensor, ord, dims, keepdim: bool, dtype=None):
         ax = DomainTensor(local.abs(), x._dec)
         return global_extremum(ax, dims, keepdim, "max" if ord > 0 else "min")
     comm = _comm(x, dims)
-    keep = _keep_shape(local, dims)
     if any(local.shape[d] == 0 for d in dims):
-        part = torch.zeros(keep, dtype=local.abs().dtype, device=local.device)
+        # Zeros that stay in the graph: every rank's result must require grad
+        # alike, or only some ranks would enter the backward's collectives.
+        part = local.abs().sum(dim=dims, keepdim=True)
     else:
         part = torch.linalg.vector_norm(local, ord, dims, keepdim=True)
     if comm.Get_size() == 1:
@@ -318,3 +320,19 @@ def _all_any(func, args, kwargs):
     part = func(x._local, dim=dims, keepdim=True).to(torch.uint8)
     op = "min" if func.__name__ == "all" else "max"
     return _finish(x, ag.allreduce_tensor(part, _comm(x, dims), op).bool(), dims, bool(keepdim))
+
+
+# -- normalize ----------------------------------------------------------------------------------
+@register(torch.nn.functional.normalize)
+def _normalize(func, args, kwargs):
+    """x / max(||x||_p over dim, eps), the norm taken globally along a sharded dim."""
+    x, p, dim, eps, out = _bind(func, args, kwargs, ("input", "p", "dim", "eps", "out"),
+                                {"p": 2.0, "dim": 1, "eps": 1e-12})
+    if out is not None:
+        raise UnsupportedOpError(f"{op_name(func)}: out= is not supported on DomainTensors")
+    norm = global_vector_norm(x, float(p), normalize_dims(dim, x.ndim), True)
+    if isinstance(norm, DomainTensor):  # sharded dims other than ``dim`` remain
+        denom = DomainTensor(norm._local.clamp_min(eps), norm._dec)
+    else:
+        denom = norm.clamp_min(eps)
+    return elementwise(torch.div, (x, denom), {})

@@ -108,3 +108,12 @@ def _register_hook(func, args, kwargs):
         return out._local if isinstance(out, DomainTensor) else out
 
     return self._local.register_hook(on_block)
+
+
+# -- factories on a tensor: plain tensors of the block's dtype and device ---------------------------
+@register(T.new_zeros, T.new_ones, T.new_full, T.new_empty, T.new_tensor)
+def _new(func, args, kwargs):
+    """``x.new_zeros(shape)`` and friends make a plain (replicated) tensor of the
+    shape asked for, as they would for any tensor: only dtype and device come
+    from ``x``."""
+    return func(args[0]._local, *pytree.tree_map(_unwrap, args[1:]), **kwargs)
