@@ -168,7 +168,7 @@ def test_reduction_oracle_can_fail():
     """A wrong reduction (local sum only) is caught on more than one rank."""
     grid, shard, sizes = layout(SHAPE, SHARD_DIMS, 1, "even")
     if grid.size == 1:
-        return
+        pytest.skip("needs 2 or more ranks: on one rank a block's sum is the global sum")
     with pytest.raises(AssertionError):
         assert_matches_single_process(lambda x: x.to_local().sum() if isinstance(
             x, dp.DomainTensor) else x.sum(), global_tensor(SHAPE), grid, shard)
