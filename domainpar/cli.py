@@ -128,9 +128,11 @@ def build_parser() -> argparse.ArgumentParser:
         "grads", help="training step with DomainParallel against per-op gradient reductions",
         description="Times one training step (forward, global loss, backward, SGD) of a "
                     "stack of Linear+tanh layers over the channel dim of a field sharded "
-                    "over all ranks, with DomainParallel's bucketed asynchronous gradient "
-                    "reductions against per-op reductions, interleaved in one run. Prints "
-                    "medians, their ratio and allreduce counts; writes JSON.")
+                    "over all ranks, three ways interleaved in one run: per-op gradient "
+                    "reductions, DomainParallel with nonblocking bucketed reductions "
+                    "overlapped with backward, and DomainParallel with blocking ones per "
+                    "bucket (overlap=False). Prints medians, their ratios to per-op and "
+                    "allreduce counts; writes JSON.")
     grads.add_argument("-n", "--nprocs", type=_positive(int), default=2,
                        help="ranks to launch with mpiexec when not already under a launcher "
                             "(default 2)")
