@@ -7,13 +7,12 @@ import functools
 
 import pytest
 import torch
-from mpi4py import MPI
 
 import domainpar as dp
 from domainpar import autograd as ag
 from domainpar.tensor import layout as lay
 from domainpar.testing import adjoint_test, assert_matches_single_process, shard_like
-from tensor_cases import CASES, DTYPES, global_tensor
+from tensor_cases import CASES, DTYPES, global_tensor, raises_everywhere
 from tensor_cases import layout as _layout
 
 pytestmark = pytest.mark.mpi
@@ -39,19 +38,6 @@ SHARD_DIMS = (2, 3, 1)
 def check(fn, case, dtype, shape=SHAPE, seed=0):
     grid, shard, sizes = layout(shape, SHARD_DIMS, *case, seed=seed)
     assert_matches_single_process(fn, global_tensor(shape, dtype, seed), grid, shard, sizes=sizes)
-
-
-def raises_everywhere(fn, *words):
-    """``fn()`` raises UnsupportedOpError on every rank, with ``words`` in the message."""
-    try:
-        fn()
-        message = None
-    except dp.UnsupportedOpError as exc:
-        message = str(exc)
-    stories = MPI.COMM_WORLD.allgather(message)
-    assert all(m is not None for m in stories), f"not refused on ranks {stories}"
-    for w in words:
-        assert w in stories[0], stories[0]
 
 
 def sharded(case, dtype=torch.float64, shape=SHAPE):

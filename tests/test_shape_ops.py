@@ -11,7 +11,7 @@ from mpi4py import MPI
 import domainpar as dp
 from domainpar.comm.decomposition import Decomposition
 from domainpar.testing import assert_matches_single_process, shard_like
-from tensor_cases import CASES, DTYPES, SIZE, global_tensor, layout
+from tensor_cases import CASES, DTYPES, SIZE, global_tensor, layout, raises_everywhere
 
 pytestmark = pytest.mark.mpi
 
@@ -34,20 +34,6 @@ def sharded(shape, shard, sizes=None, dtype=torch.float64, grid_ndim=None):
     per entry of ``shard``."""
     grid = dp.ProcessGrid(MPI.Compute_dims(SIZE, grid_ndim or max(len(shard), 1)))
     return shard_like(global_tensor(shape, dtype), grid, shard, sizes, requires_grad=True)
-
-
-def raises_everywhere(fn, *words):
-    """``fn()`` raises UnsupportedOpError on this rank, with ``words`` in the message;
-    the allgather makes a rank that did not raise fail every rank."""
-    try:
-        fn()
-        message = None
-    except dp.UnsupportedOpError as exc:
-        message = str(exc)
-    stories = MPI.COMM_WORLD.allgather(message)
-    assert all(m is not None for m in stories), f"not refused on ranks {stories}"
-    for w in words:
-        assert w in stories[0], stories[0]
 
 
 # -- dim reorderings ---------------------------------------------------------------------------
