@@ -89,6 +89,13 @@ def _bench_grads(args) -> int:
     return 0
 
 
+def _add_nprocs(parser: argparse.ArgumentParser) -> None:
+    """The ranks option every MPI benchmark takes."""
+    parser.add_argument("-n", "--nprocs", type=_positive(int), default=2,
+                        help="ranks to launch with mpiexec when not already under a "
+                             "launcher (default 2)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="domainpar",
                                      description="Domain parallelism for scientific ML on MPI.")
@@ -109,9 +116,7 @@ def build_parser() -> argparse.ArgumentParser:
                     "faces forced through the C pack kernels, numpy, or MPI derived "
                     "datatypes, and raw Sendrecv with MPI subarray datatypes. Prints a "
                     "table of medians and writes JSON.")
-    halo.add_argument("-n", "--nprocs", type=_positive(int), default=2,
-                      help="ranks to launch with mpiexec when not already under a launcher "
-                           "(default 2)")
+    _add_nprocs(halo)
     halo.add_argument("--dims", type=int, nargs="+", default=[2, 3], choices=[2, 3],
                       help="field dimensionalities (default: 2 3)")
     halo.add_argument("--faces", type=_positive(float), nargs="+", default=[1, 4, 16, 64],
@@ -133,9 +138,7 @@ def build_parser() -> argparse.ArgumentParser:
                     "overlapped with backward, and DomainParallel with blocking ones per "
                     "bucket (overlap=False). Prints medians, their ratios to per-op and "
                     "allreduce counts; writes JSON.")
-    grads.add_argument("-n", "--nprocs", type=_positive(int), default=2,
-                       help="ranks to launch with mpiexec when not already under a launcher "
-                            "(default 2)")
+    _add_nprocs(grads)
     grads.add_argument("--layers", type=_positive(int), default=20, help="layers (default 20)")
     grads.add_argument("--width", type=_positive(int), default=700,
                        help="channels per layer (default 700: 9.8M parameters with 20 layers)")
