@@ -99,3 +99,26 @@ def normalize_dims(dim, ndim: int) -> tuple[int, ...]:
                              f"[{-ndim}, {ndim - 1}], but got {d})")
         out.append(d % max(ndim, 1))
     return tuple(sorted(set(out)))
+
+
+def bind(func: Any, args, kwargs, names: Sequence[str], defaults=None, *,
+         refuse_unknown: bool = False) -> dict:
+    """The call's arguments bound to ``names`` (torch's signature order), with
+    ``defaults`` for those not given. A keyword outside ``names`` is torch's
+    TypeError, or, with ``refuse_unknown`` (``names`` then lists only what the
+    rule supports), an UnsupportedOpError naming it."""
+    given = dict(zip(names, args))
+    unknown = []
+    for k, v in kwargs.items():
+        if k in given:
+            raise TypeError(f"{op_name(func)} got multiple values for argument {k!r}")
+        if k not in names:
+            if not refuse_unknown:
+                raise TypeError(f"{op_name(func)} got an unexpected keyword argument {k!r}")
+            unknown.append(k)
+        given[k] = v
+    if unknown:
+        raise UnsupportedOpError(f"{op_name(func)}: arguments {sorted(unknown)} are not "
+                                 f"supported on DomainTensors")
+    defaults = defaults or {}
+    return {n: given.get(n, defaults.get(n)) for n in names}

@@ -26,6 +26,7 @@ from ..tensor import layout
 from ..tensor.dispatch import UnsupportedOpError, op_name, register
 from ..tensor.domain_tensor import DomainTensor
 from ..tensor.params import enter_domain
+from .common import bind
 
 T = torch.Tensor
 
@@ -125,16 +126,12 @@ def softmax(func, args, kwargs):
     log = _F_FORMS.get(func, _FORMS.get(func))
     names = ("input", "dim", "_stacklevel", "dtype") if func in _F_FORMS else \
         ("input", "dim", "dtype")
-    a = dict(zip(names, args))
-    for k, v in kwargs.items():
-        if k not in names:
-            raise TypeError(f"{op_name(func)} got an unexpected keyword argument {k!r}")
-        a[k] = v
-    x, dim, dtype = a["input"], a.get("dim"), a.get("dtype")
+    a = bind(func, args, kwargs, names, {"_stacklevel": 3})
+    x, dim, dtype = a["input"], a["dim"], a["dtype"]
     if dim is None:
         # F.softmax's legacy implicit dim (warns as torch does).
         dim = F._get_softmax_dim("log_softmax" if log else "softmax", x.ndim,
-                                 a.get("_stacklevel", 3))
+                                 a["_stacklevel"])
     if not isinstance(dim, int):
         raise UnsupportedOpError(f"{op_name(func)}: dim must be an int on DomainTensors, "
                                  f"got {dim!r}")

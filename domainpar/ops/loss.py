@@ -29,21 +29,9 @@ from ..tensor import layout
 from ..tensor.dispatch import UnsupportedOpError, op_name, register, same_grid
 from ..tensor.domain_tensor import DomainTensor
 from ..tensor.params import enter_domain
-from .common import onto, output_layout
+from .common import bind, onto, output_layout
 
 _REDUCTIONS = ("none", "mean", "sum")
-
-
-def _bind(func, args, kwargs, names, defaults):
-    """The call's arguments bound to ``names`` (torch's signature order)."""
-    given = dict(zip(names, args))
-    for k, v in kwargs.items():
-        if k in given:
-            raise TypeError(f"{op_name(func)} got multiple values for argument {k!r}")
-        if k not in names:
-            raise TypeError(f"{op_name(func)} got an unexpected keyword argument {k!r}")
-        given[k] = v
-    return {n: given.get(n, defaults.get(n)) for n in names}
 
 
 def _check_common(func, a) -> str:
@@ -89,7 +77,7 @@ _WEIGHT_SUM_MEAN = {F.mse_loss, F.l1_loss}
 @register(*_ELEMENTWISE)
 def elementwise_loss(func, args, kwargs):
     names, defaults = _ELEMENTWISE[func]
-    a = _bind(func, args, kwargs, names, {"reduction": "mean", **defaults})
+    a = bind(func, args, kwargs, names, {"reduction": "mean", **defaults})
     reduction = _check_common(func, a)
     x, target, weight = a["input"], a["target"], a.get("weight")
     if func is F.l1_loss and weight is None:
@@ -146,7 +134,7 @@ def class_loss(func, args, kwargs):
     """Local log_softmax / class pick along the class dim (unsharded), then a
     global reduction over the remaining (batch and spatial) dims."""
     names, defaults = _CLASS_LOSSES[func]
-    a = _bind(func, args, kwargs, names, {"reduction": "mean", "ignore_index": -100, **defaults})
+    a = bind(func, args, kwargs, names, {"reduction": "mean", "ignore_index": -100, **defaults})
     reduction = _check_common(func, a)
     x, target, weight = a["input"], a["target"], a["weight"]
     if not isinstance(x, DomainTensor):

@@ -33,7 +33,7 @@ from .. import autograd as ag
 from ..tensor import layout
 from ..tensor.dispatch import UnsupportedOpError, op_name, register
 from ..tensor.domain_tensor import DomainTensor
-from .common import normalize_dims
+from .common import bind, normalize_dims
 from .pointwise import elementwise
 
 T = torch.Tensor
@@ -41,17 +41,9 @@ T = torch.Tensor
 
 # -- the shared skeleton -------------------------------------------------------------------
 def _bind(func, args, kwargs, names, defaults):
-    """``args``/``kwargs`` of a torch reduction bound to ``names`` (first: input)."""
-    given = dict(zip(names, args))
-    for k, v in kwargs.items():
-        if k in given:
-            raise TypeError(f"{op_name(func)} got multiple values for argument {k!r}")
-        given[k] = v
-    unknown = set(given) - set(names)
-    if unknown:
-        raise UnsupportedOpError(f"{op_name(func)}: arguments {sorted(unknown)} are not "
-                                 f"supported on DomainTensors")
-    return [given.get(n, defaults.get(n)) for n in names]
+    """``args``/``kwargs`` of a torch reduction bound to ``names`` (first: input),
+    as a list; other keywords are refused as unsupported."""
+    return list(bind(func, args, kwargs, names, defaults, refuse_unknown=True).values())
 
 
 def _comm(x: DomainTensor, dims):
