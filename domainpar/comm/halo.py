@@ -84,18 +84,33 @@ class HaloExchange:
     ``width`` ghosts per side: ``width={dim: w}`` or ``{dim: (lo, hi)}``.
 
     ``fill`` and ``accumulate`` are neighbour-wise collective over the grid.
+
+    ``periodic={dim: bool}`` overrides, per dim, whether ghosts wrap around the
+    domain; by default a dim wraps when its grid axis is periodic. An op with
+    zero padding on a periodic grid passes False; circular padding passes True
+    on any grid. ``check=False`` skips the construction-time agreement, for
+    callers that derive the same arguments on every rank by construction.
     """
 
-    def __init__(self, decomposition: Decomposition, width: Mapping[int, int | tuple[int, int]]):
+    def __init__(self, decomposition: Decomposition, width: Mapping[int, int | tuple[int, int]],
+                 periodic: Mapping[int, bool] | None = None, *, check: bool = True):
         self.decomposition = dec = decomposition
         self.grid = dec.grid
         problem = None
         try:
             self.width = _normalise_width(width, dec.ndim)
+            wraps = {int(d) % dec.ndim: bool(p) for d, p in dict(periodic or {}).items()}
         except (LayoutError, TypeError, ValueError) as exc:
-            problem, self.width = f"HaloExchange width {width}: {exc}", {}
-        agree(self.grid.comm, problem, signature=signature_of(sorted(self.width.items())),
-              what="HaloExchange widths", described=str(self.width))
+            problem, self.width, wraps = f"HaloExchange width {width}: {exc}", {}, {}
+        self._wraps = tuple(wraps.get(d, dec.axis_of(d) is not None
+                                      and bool(self.grid.periodic[dec.axis_of(d)]))
+                            for d in range(dec.ndim))
+        if check:
+            agree(self.grid.comm, problem,
+                  signature=signature_of((sorted(self.width.items()), self._wraps)),
+                  what="HaloExchange widths", described=f"{self.width}, wraps {self._wraps}")
+        elif problem:
+            raise LayoutError(problem)
         self.lo = tuple(self.width.get(d, (0, 0))[0] for d in range(dec.ndim))
         self.hi = tuple(self.width.get(d, (0, 0))[1] for d in range(dec.ndim))
         self.padded_shape = tuple(n + l + h for n, l, h in
@@ -120,7 +135,7 @@ class HaloExchange:
         lo, hi, n = self.lo[dim], self.hi[dim], dec.local_shape()[dim]
         if axis is None:
             return slice(lo, lo + n)
-        if self.grid.periodic[axis] and dec.global_shape[dim] > 0:
+        if self._wraps[dim] and dec.global_shape[dim] > 0:
             return slice(0, lo + n + hi)
         off, size = dec.offsets()[dim], dec.global_shape[dim]
         return slice(lo - min(lo, off), lo + n + min(hi, max(size - off - n, 0)))
@@ -144,7 +159,7 @@ class HaloExchange:
     def _round(self, dim, axis, cross):
         dec, grid = self.decomposition, self.grid
         sizes, offs = dec.block_sizes(dim), dec.block_offsets(dim)
-        n, periodic, lo = dec.global_shape[dim], grid.periodic[axis], self.lo[dim]
+        n, periodic, lo = dec.global_shape[dim], self._wraps[dim], self.lo[dim]
         me = grid.coords[axis]
 
         def rank_at(c):

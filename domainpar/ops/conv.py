@@ -1,0 +1,217 @@
+"""Convolutions and transposed convolutions, 1-, 2- and 3-D, on inputs sharded
+along the batch dim and any spatial dims.
+
+- conv: every rank gathers the input cells its outputs read (``window.gather``:
+  a halo fill, zero padding outside the domain, also on a periodic grid), then
+  runs torch's conv with no padding on them. Output layout: ``window.sliding``.
+  ``padding_mode`` other than zeros reaches us as ``F.pad`` (nn.ConvNd pads
+  first), which has its own rule.
+- conv_transpose: the adjoint of a conv. Every rank runs torch's transposed conv
+  on its block alone; the result covers its own output cells and spills over
+  its neighbours'. The spill travels by halo *accumulate*, which adds it into
+  its owners' cells. Output block of coordinate ``c`` starts at ``offset[c] *
+  stride``.
+
+Weight and bias are replicated: they enter every block's computation through
+``enter_domain``, so their gradient is the sum of the ranks' partial gradients
+(or DomainParallel's deferred, bucketed sum). torch itself validates the
+arguments first, on the meta device with the global shapes, so bad input gets
+torch's own error on every rank before any message is sent.
+"""
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from .. import autograd as ag
+from ..tensor import layout
+from ..tensor.dispatch import UnsupportedOpError, op_name, register
+from ..tensor.domain_tensor import DomainTensor
+from ..tensor.params import enter_domain
+from . import window
+from .common import bind
+
+_CONV = {F.conv1d: 1, F.conv2d: 2, F.conv3d: 3}
+_CONV_T = {F.conv_transpose1d: 1, F.conv_transpose2d: 2, F.conv_transpose3d: 3}
+
+
+def _tuple(v, n: int) -> tuple:
+    return tuple(v) if isinstance(v, (tuple, list)) else (v,) * n
+
+
+def _meta(t):
+    return None if t is None else torch.empty(t.shape, dtype=t.dtype, device="meta")
+
+
+def check_operands(func, x, weight, bias, nsp: int) -> None:
+    """x a batched DomainTensor with whole channels; weight and bias plain."""
+    if not isinstance(x, DomainTensor):
+        raise UnsupportedOpError(f"{op_name(func)}: only the input may be a DomainTensor")
+    for what, t in (("weight", weight), ("bias", bias)):
+        if isinstance(t, DomainTensor):
+            raise UnsupportedOpError(f"{op_name(func)}: the {what} must be a plain (replicated) "
+                                     f"tensor, not a DomainTensor")
+    if x.ndim != nsp + 2:
+        raise UnsupportedOpError(
+            f"{op_name(func)} on a DomainTensor needs a batched input of {nsp + 2} dims "
+            f"(N, C, spatial...), got {x.ndim}; unsqueeze a batch dim")
+    if 1 in x._dec.shard:
+        raise UnsupportedOpError(
+            f"{op_name(func)}: the channel dim 1 is sharded ({layout.sharded_dims_text(x._dec)}); "
+            f"redistribute so that channels are whole on every rank")
+
+
+def _out_layout(x: DomainTensor, out_shape, plans):
+    dec = x._dec
+    sizes = {d: (plans[d].out_sizes if d in plans else dec.block_sizes(d)) for d in dec.shard}
+    return layout.derive(dec, out_shape, dec.shard, sizes)
+
+
+def _padding(padding, kernel, dilation, nsp):
+    """(lo, hi) per spatial dim, as torch resolves ints, tuples, 'valid' and 'same'."""
+    if padding == "valid":
+        return [(0, 0)] * nsp
+    if padding == "same":
+        out = []
+        for k, d in zip(kernel, dilation):
+            total = d * (k - 1)
+            out.append((total // 2, total - total // 2))
+        return out
+    return [(p, p) for p in _tuple(padding, nsp)]
+
+
+# -- conv ---------------------------------------------------------------------------------------
+@register(*_CONV)
+def conv(func, args, kwargs):
+    """Neighbour-wise collective (halo fill). Sharded on batch and spatial dims; any
+    stride, dilation, groups, padding (ints, tuples, 'same', 'valid')."""
+    nsp = _CONV[func]
+    a = bind(func, args, kwargs, ("input", "weight", "bias", "stride", "padding", "dilation",
+                                  "groups"),
+             {"stride": 1, "padding": 0, "dilation": 1, "groups": 1})
+    x, weight, bias = a["input"], a["weight"], a["bias"]
+    check_operands(func, x, weight, bias, nsp)
+    stride, dilation = _tuple(a["stride"], nsp), _tuple(a["dilation"], nsp)
+    # torch's own checks and output shape, from global shapes on every rank alike
+    out_shape = tuple(func(_meta(x), _meta(weight), _meta(bias), a["stride"], a["padding"],
+                           a["dilation"], a["groups"]).shape)
+    dec = x._dec
+    spatial = [d for d in range(2, x.ndim) if d in dec.shard]
+    if not spatial:
+        out_dec = _out_layout(x, out_shape, {})
+        w = enter_domain(weight, out_dec, {})
+        b = None if bias is None else enter_domain(bias, out_dec, {})
+        return DomainTensor(func(x._local, w, b, a["stride"], a["padding"], a["dilation"],
+                                 a["groups"]), out_dec)
+
+    kernel = tuple(weight.shape[2:])
+    pads = _padding(a["padding"], kernel, dilation, nsp)
+    plans = {}
+    for i, d in enumerate(range(2, x.ndim)):
+        plans[d] = window.sliding(x.shape[d], window.block_sizes(dec, d), out_shape[d],
+                                  kernel[i], stride[i], dilation[i], pads[i][0])
+    out_dec = _out_layout(x, out_shape, plans)
+    w = enter_domain(weight, out_dec, {})
+    b = None if bias is None else enter_domain(bias, out_dec, {})
+    cells = window.gather(x, plans)
+    out_local_shape = out_dec.local_shape()
+    if 0 in out_local_shape[2:]:
+        out = window.placeholder(out_local_shape, cells, cells, w, b)
+    else:
+        out = func(cells, w, b, stride, 0, dilation, a["groups"])
+    return DomainTensor(out, out_dec)
+
+
+# -- transposed conv ---------------------------------------------------------------------------
+@functools.lru_cache(maxsize=1024)
+def transposed_plan(n: int, in_sizes: tuple[int, ...], m: int, kernel: int, stride: int,
+                    dilation: int, pad: int) -> window.AxisPlan:
+    """Input cell ``i`` adds into outputs ``i * stride - pad + dilation * k``. The
+    output block of coordinate ``c`` starts at ``offset[c] * stride``; ``need[c]``
+    is the output range its own contributions cover and ``lo``/``hi`` the widest
+    spill past any rank's output block, the ghost widths of the accumulate."""
+    in_offsets = np.concatenate(([0], np.cumsum(in_sizes)[:-1])).astype(np.int64)
+    starts = np.minimum(in_offsets * stride, m)
+    starts[0] = 0
+    stops = np.append(starts[1:], m)
+    lo = hi = 0
+    need = []
+    for c, size in enumerate(in_sizes):
+        if size == 0:
+            need.append((int(starts[c]), int(starts[c])))
+            continue
+        f = int(in_offsets[c]) * stride - pad
+        s = f + (size - 1) * stride + dilation * (kernel - 1) + 1
+        need.append((f, s))
+        lo, hi = max(lo, int(starts[c]) - f), max(hi, s - int(stops[c]))
+    return window.AxisPlan(out_sizes=tuple(int(b - a) for a, b in zip(starts, stops)),
+                           out_offsets=tuple(int(a) for a in starts),
+                           in_offsets=tuple(int(a) for a in starts), lo=lo, hi=hi,
+                           need=tuple(need))
+
+
+@register(*_CONV_T)
+def conv_transpose(func, args, kwargs):
+    """Neighbour-wise collective (halo accumulate). Sharded on batch and spatial dims;
+    any stride, padding, output_padding, dilation and groups."""
+    nsp = _CONV_T[func]
+    a = bind(func, args, kwargs, ("input", "weight", "bias", "stride", "padding",
+                                  "output_padding", "groups", "dilation"),
+             {"stride": 1, "padding": 0, "output_padding": 0, "groups": 1, "dilation": 1})
+    x, weight, bias = a["input"], a["weight"], a["bias"]
+    check_operands(func, x, weight, bias, nsp)
+    out_shape = tuple(func(_meta(x), _meta(weight), _meta(bias), a["stride"], a["padding"],
+                           a["output_padding"], a["groups"], a["dilation"]).shape)
+    dec = x._dec
+    spatial = [d for d in range(2, x.ndim) if d in dec.shard]
+    if not spatial:
+        out_dec = _out_layout(x, out_shape, {})
+        w = enter_domain(weight, out_dec, {})
+        b = None if bias is None else enter_domain(bias, out_dec, {})
+        return DomainTensor(func(x._local, w, b, a["stride"], a["padding"], a["output_padding"],
+                                 a["groups"], a["dilation"]), out_dec)
+
+    stride, dilation = _tuple(a["stride"], nsp), _tuple(a["dilation"], nsp)
+    padding, out_pad = list(_tuple(a["padding"], nsp)), list(_tuple(a["output_padding"], nsp))
+    kernel = tuple(weight.shape[2:])
+    plans = {}
+    for i, d in enumerate(range(2, x.ndim)):
+        if d in spatial:
+            plans[d] = transposed_plan(x.shape[d], dec.block_sizes(d), out_shape[d], kernel[i],
+                                        stride[i], dilation[i], padding[i])
+            padding[i] = out_pad[i] = 0  # the sharded dims are cut to size below
+    out_dec = _out_layout(x, out_shape, plans)
+    w = enter_domain(weight, out_dec, {})
+    b = None if bias is None else enter_domain(bias, out_dec, {})
+
+    # This rank's contributions, placed in its output block padded by the spill widths.
+    local = x._local
+    padded_shape = list(local.shape[:2]) + list(out_dec.local_shape()[2:])
+    padded_shape[1] = out_shape[1]
+    for d, p in plans.items():
+        padded_shape[d] += p.lo + p.hi
+    if 0 in local.shape[2:]:
+        contrib = window.placeholder(padded_shape, local, local, w)
+    else:
+        contrib = func(local, w, None, stride, padding, out_pad, a["groups"], dilation)
+        pads = []
+        for d in reversed(range(local.ndim)):
+            if d in plans:
+                p, c = plans[d], window.coordinate(dec, d)
+                start, _ = p.window(c)  # where its contributions begin in the padded block
+                pads += [start, padded_shape[d] - start - contrib.shape[d]]
+            else:
+                pads += [0, 0]
+        contrib = F.pad(contrib, pads)
+    widths = {d: (p.lo, p.hi) for d, p in plans.items() if p.lo or p.hi}
+    if widths:
+        contrib = ag.halo_accumulate(
+            contrib, window.exchange(out_dec, widths, {d: False for d in out_dec.shard}))
+        for d, (lo, _) in widths.items():
+            contrib = contrib.narrow(d, lo, out_dec.local_shape()[d])
+    if b is not None:
+        contrib = contrib + b.reshape((1, -1) + (1,) * nsp)
+    return DomainTensor(contrib, out_dec)
