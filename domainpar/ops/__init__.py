@@ -2,3 +2,4 @@
 the dispatch table (``domainpar.tensor.dispatch``)."""
 from . import index, pointwise, reduce  # noqa: F401
 from . import conv, linear, loss, shape  # noqa: F401
+from . import pool  # noqa: F401
