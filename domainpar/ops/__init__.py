@@ -1,5 +1,5 @@
 """Domain-parallel op families. Importing this package registers their rules in
 the dispatch table (``domainpar.tensor.dispatch``)."""
 from . import index, pointwise, reduce  # noqa: F401
-from . import conv, linear, loss, shape  # noqa: F401
+from . import conv, linear, loss, pad, shape  # noqa: F401
 from . import pool  # noqa: F401

@@ -1,0 +1,131 @@
+"""F.pad on DomainTensors: constant, reflect, replicate and circular, along any
+dims, sharded ones included (this is also how nn.ConvNd's padding_mode reaches
+us: it pads with F.pad, then convolves with no padding).
+
+Along an unsharded dim torch pads the block. Along a sharded dim the padding
+lands on the edge blocks: coordinate 0 grows by the low width, the last one by
+the high width, the others keep their blocks. Output cell ``j`` copies input
+cell ``j - lo`` mapped into the domain:
+
+- constant: no source (the value); no message at all;
+- reflect: ``-i`` below the domain, ``2 (n - 1) - i`` above;
+- replicate: clamped to the end cells;
+- circular: wrapped around, through a halo exchange that wraps on any grid
+  (the grid axis need not be periodic).
+
+The edge ranks take the cells they need by a halo fill (which reaches past
+neighbours whose blocks are narrower than the padding) and pick them with an
+index_select, whose backward adds each padded cell's gradient into its source.
+Negative widths (cropping) along a sharded dim are refused: slice instead.
+"""
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from ..tensor import layout
+from ..tensor.dispatch import UnsupportedOpError, op_name, register
+from ..tensor.domain_tensor import DomainTensor
+from . import window
+from .common import bind
+
+_MODES = ("constant", "reflect", "replicate", "circular")
+
+
+@functools.lru_cache(maxsize=1024)
+def _plan(mode: str, n: int, in_sizes: tuple[int, ...], lo: int, hi: int):
+    """(AxisPlan, source index of every output cell in unwrapped global indices)."""
+    j = np.arange(n + lo + hi, dtype=np.int64)
+    i = j - lo
+    if mode == "reflect":
+        src = np.where(i < 0, -i, np.where(i >= n, 2 * (n - 1) - i, i))
+    elif mode == "replicate":
+        src = np.clip(i, 0, n - 1)
+    else:  # circular: the halo fill wraps, so the source stays unwrapped
+        src = i
+    plan = window.plan_axis(src, src, i, in_sizes)
+    return plan, src
+
+
+def _pads_by_dim(pad, ndim: int) -> dict[int, tuple[int, int]]:
+    """torch's flat pad list (last dim first) as ``{dim: (lo, hi)}``."""
+    return {ndim - 1 - k: (int(pad[2 * k]), int(pad[2 * k + 1])) for k in range(len(pad) // 2)}
+
+
+def _flat(pads: dict[int, tuple[int, int]], ndim: int, length: int) -> list[int]:
+    """``{dim: (lo, hi)}`` as torch's flat list of ``length`` entries (the caller's:
+    non-constant modes accept only certain lengths per input rank)."""
+    out = []
+    for d in reversed(range(ndim)):
+        out += list(pads.get(d, (0, 0)))
+    return out[:length]
+
+
+@register(F.pad, torch.nn.functional.pad, torch._C._nn.pad)
+def pad(func, args, kwargs):
+    """Local along unsharded dims; neighbour-wise collective (halo fill) along sharded
+    dims for reflect, replicate and circular (any grid), none for constant."""
+    a = bind(func, args, kwargs, ("input", "pad", "mode", "value"), {"mode": "constant"})
+    x, mode, value = a["input"], a["mode"], a["value"]
+    if not isinstance(x, DomainTensor):
+        raise UnsupportedOpError(f"{op_name(func)}: only the input may be a DomainTensor")
+    # torch's own checks (mode, pad length, widths against sizes) on the global shape
+    meta = torch.empty(x.shape, dtype=x.dtype, device="meta")
+    out_shape = tuple(torch._C._nn.pad(meta, a["pad"], mode, value).shape)
+    dec = x._dec
+    pads = _pads_by_dim(a["pad"], x.ndim)
+    sharded = {d: p for d, p in pads.items() if d in dec.shard and p != (0, 0)}
+    local = x._local
+    if mode == "constant":
+        for d, (lo, hi) in sharded.items():
+            if lo < 0 or hi < 0:
+                raise UnsupportedOpError(
+                    f"{op_name(func)}: negative padding {pads[d]} (cropping) of dim {d}, "
+                    f"sharded on {layout.sharded_dims_text(dec)}; slice the tensor instead")
+        c = {d: window.coordinate(dec, d) for d in sharded}
+        last = {d: dec.grid.dims[dec.shard[d]] - 1 for d in sharded}
+        local_pads = {d: p for d, p in pads.items() if d not in sharded}
+        local_pads.update({d: (lo if c[d] == 0 else 0, hi if c[d] == last[d] else 0)
+                           for d, (lo, hi) in sharded.items()})
+        out = torch._C._nn.pad(local, _flat(local_pads, x.ndim, len(a['pad'])), "constant", value)
+        sizes = {d: tuple(s + (lo if k == 0 else 0) + (hi if k == len(dec.block_sizes(d)) - 1
+                                                        else 0)
+                          for k, s in enumerate(dec.block_sizes(d)))
+                 for d, (lo, hi) in sharded.items()}
+        return DomainTensor(out, _out_layout(dec, out_shape, sizes))
+
+    unsharded = {d: p for d, p in pads.items() if d not in sharded}
+    if any(p != (0, 0) for p in unsharded.values()):
+        flat = _flat(unsharded, x.ndim, len(a['pad']))
+        if local.numel():
+            local = torch._C._nn.pad(local, flat, mode)
+        else:  # torch refuses to reflect an empty block; its padded block is empty too
+            shape = torch._C._nn.pad(torch.empty(x.shape, device="meta"), flat, mode).shape
+            shape = [s if d in unsharded else local.shape[d] for d, s in enumerate(shape)]
+            local = window.placeholder(shape, local, local)
+    if not sharded:
+        return DomainTensor(local, _out_layout(dec, out_shape, {}))
+    stage = layout.derive(dec, tuple(out_shape[d] if d not in sharded else x.shape[d]
+                                     for d in range(x.ndim)),
+                          dec.shard, {d: dec.block_sizes(d) for d in dec.shard})
+    plans, sources = {}, {}
+    for d, (lo, hi) in sharded.items():
+        plans[d], sources[d] = _plan(mode, x.shape[d], dec.block_sizes(d), lo, hi)
+    cells = window.gather(DomainTensor(local, stage), plans,
+                          wrap=tuple(sharded) if mode == "circular" else ())
+    for d, p in plans.items():
+        c = window.coordinate(dec, d)
+        o0, first = p.out_offsets[c], p.need[c][0]
+        index = sources[d][o0:o0 + p.out_sizes[c]] - first
+        if not (len(index) == cells.shape[d] and np.array_equal(index, np.arange(len(index)))):
+            cells = cells.index_select(d, torch.as_tensor(index, device=cells.device))
+    return DomainTensor(cells, _out_layout(dec, out_shape,
+                                           {d: p.out_sizes for d, p in plans.items()}))
+
+
+def _out_layout(dec, out_shape, sizes):
+    return layout.derive(dec, out_shape, dec.shard,
+                         {d: sizes.get(d, dec.block_sizes(d)) for d in dec.shard})

@@ -1,0 +1,250 @@
+"""Convolutions, transposed convolutions and F.pad on DomainTensors against one
+process: output, input gradient, weight and bias gradients.
+
+The matrix is generated: a seeded sample of op options (dims, kernel, stride,
+dilation, padding, padding_mode, groups, output_padding) crossed with layouts
+(even, uneven, zero-size blocks; periodic grids; 1-, 2- and 3-D grids, the
+batch dim sharded too). Every rank draws the same sample.
+"""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import domainpar as dp
+from domainpar.testing import adjoint_test, assert_matches_single_process, shard_like
+from tensor_cases import SIZE, global_tensor, layout, raises_everywhere
+
+pytestmark = pytest.mark.mpi
+
+SHAPES = {1: (2, 4, 23), 2: (2, 4, 13, 11), 3: (1, 4, 9, 7, 6)}
+CONVS = {1: nn.Conv1d, 2: nn.Conv2d, 3: nn.Conv3d}
+CONVS_T = {1: nn.ConvTranspose1d, 2: nn.ConvTranspose2d, 3: nn.ConvTranspose3d}
+
+
+def _layouts(rng, nsp):
+    """(grid_ndim, kind, periodic, shard_dims) samples for an input with ``nsp`` spatial dims."""
+    out = []
+    for grid_ndim in (1, 2, 3):
+        for kind in ("even", "uneven", "zero"):
+            spatial = list(range(2, 2 + nsp))
+            rng.shuffle(spatial)
+            # the batch dim joins the sharded dims now and then
+            dims = tuple(([0] if rng.random() < 0.25 else []) + spatial)
+            out.append((grid_ndim, kind, rng.random() < 0.4, dims))
+    return out
+
+
+def _conv_cases(n: int, seed: int = 5):
+    rng = random.Random(seed)
+    cases = []
+    while len(cases) < n:
+        nsp = rng.choice((1, 2, 2, 3))
+        k = rng.choice((1, 2, 3, 3, 4, 5))
+        stride = rng.choice((1, 1, 2, 3))
+        dilation = rng.choice((1, 1, 2))
+        groups = rng.choice((1, 2, 4))
+        mode = rng.choice(("zeros", "zeros", "reflect", "replicate", "circular"))
+        padding = rng.choice((0, 1, 2, "same", "valid", "tuple"))
+        if padding == "same" and stride != 1:
+            padding = 1
+        if padding == "tuple":
+            padding = tuple(rng.choice((0, 1, 2)) for _ in range(nsp))
+        if mode != "zeros" and padding == "same" and (dilation * (k - 1)) % 2:
+            padding = 1  # torch pads asymmetric 'same' only with zeros
+        if not _valid(lambda: CONVS[nsp](4, 4, k, stride=stride, padding=padding,
+                                         dilation=dilation, groups=groups,
+                                         padding_mode=mode), nsp):
+            continue
+        for grid_ndim, kind, periodic, dims in _layouts(rng, nsp):
+            if rng.random() < 0.25:  # a sample of the layouts per option set
+                cases.append((nsp, k, stride, dilation, groups, mode, padding,
+                              grid_ndim, kind, periodic, dims))
+    return cases[:n]
+
+
+def _valid(make, nsp) -> bool:
+    """Whether torch accepts the module on the global shape (kernel larger than the
+    padded input, reflect padding wider than the dim...): checked on the meta device."""
+    try:
+        make().to("meta")(torch.empty(SHAPES[nsp], device="meta"))
+        return True
+    except (RuntimeError, ValueError, NotImplementedError):
+        return False
+
+
+@pytest.mark.parametrize("case", _conv_cases(60), ids=lambda c: "-".join(map(str, c)))
+def test_conv_matches_one_process(case):
+    nsp, k, stride, dilation, groups, mode, padding, grid_ndim, kind, periodic, dims = case
+    shape = SHAPES[nsp]
+    grid, shard, sizes = layout(shape, dims, grid_ndim, kind, seed=k, periodic=periodic)
+    torch.manual_seed(k + 7 * stride)
+    model = CONVS[nsp](shape[1], 4, k, stride=stride, padding=padding, dilation=dilation,
+                       groups=groups, padding_mode=mode).double()
+    assert_matches_single_process(model, global_tensor(shape, seed=k), grid, shard, sizes=sizes)
+
+
+@pytest.mark.parametrize("case", _conv_cases(12, seed=11), ids=lambda c: "-".join(map(str, c)))
+def test_conv_float32(case):
+    nsp, k, stride, dilation, groups, mode, padding, grid_ndim, kind, periodic, dims = case
+    shape = SHAPES[nsp]
+    grid, shard, sizes = layout(shape, dims, grid_ndim, kind, seed=k, periodic=periodic)
+    torch.manual_seed(k)
+    model = CONVS[nsp](shape[1], 4, k, stride=stride, padding=padding, dilation=dilation,
+                       groups=groups, padding_mode=mode)
+    assert_matches_single_process(model, global_tensor(shape, torch.float32, seed=k), grid,
+                                  shard, sizes=sizes)
+
+
+def _conv_t_cases(n: int, seed: int = 5):
+    rng = random.Random(seed)
+    cases = []
+    while len(cases) < n:
+        nsp = rng.choice((1, 2, 2, 3))
+        k = rng.choice((1, 2, 3, 4, 5))
+        stride = rng.choice((1, 2, 2, 3))
+        dilation = rng.choice((1, 1, 2))
+        groups = rng.choice((1, 2, 4))
+        padding = rng.choice((0, 1, 2))
+        out_pad = rng.randrange(max(stride, dilation))
+        if not _valid(lambda: CONVS_T[nsp](4, 4, k, stride=stride, padding=padding,
+                                           output_padding=out_pad, dilation=dilation,
+                                           groups=groups), nsp):
+            continue
+        for grid_ndim, kind, periodic, dims in _layouts(rng, nsp):
+            if rng.random() < 0.25:
+                cases.append((nsp, k, stride, dilation, groups, padding, out_pad,
+                              grid_ndim, kind, periodic, dims))
+    return cases[:n]
+
+
+@pytest.mark.parametrize("case", _conv_t_cases(50), ids=lambda c: "-".join(map(str, c)))
+def test_conv_transpose_matches_one_process(case):
+    nsp, k, stride, dilation, groups, padding, out_pad, grid_ndim, kind, periodic, dims = case
+    shape = SHAPES[nsp]
+    grid, shard, sizes = layout(shape, dims, grid_ndim, kind, seed=k, periodic=periodic)
+    torch.manual_seed(k + 5 * stride)
+    model = CONVS_T[nsp](shape[1], 4, k, stride=stride, padding=padding,
+                         output_padding=out_pad, dilation=dilation, groups=groups).double()
+    assert_matches_single_process(model, global_tensor(shape, seed=k), grid, shard, sizes=sizes)
+
+
+@pytest.mark.parametrize("case", _conv_t_cases(10, seed=13), ids=lambda c: "-".join(map(str, c)))
+def test_conv_transpose_float32(case):
+    nsp, k, stride, dilation, groups, padding, out_pad, grid_ndim, kind, periodic, dims = case
+    shape = SHAPES[nsp]
+    grid, shard, sizes = layout(shape, dims, grid_ndim, kind, seed=k, periodic=periodic)
+    torch.manual_seed(k)
+    model = CONVS_T[nsp](shape[1], 4, k, stride=stride, padding=padding,
+                         output_padding=out_pad, dilation=dilation, groups=groups)
+    assert_matches_single_process(model, global_tensor(shape, torch.float32, seed=k), grid,
+                                  shard, sizes=sizes)
+
+
+@pytest.mark.parametrize("n", (62, 63, 64))
+def test_strided_conv_where_stride_does_not_divide_offsets(n):
+    """ShardTensor's silent failure: H=62 on 2 ranks, kernel 3, stride 2."""
+    grid, shard, sizes = layout((1, 2, n, 8), (2,), 1, "even")
+    torch.manual_seed(n)
+    model = nn.Sequential(nn.Conv2d(2, 3, 3, stride=2, padding=1), nn.GELU(),
+                          nn.Conv2d(3, 3, 3, stride=2)).double()
+    assert_matches_single_process(model, global_tensor((1, 2, n, 8), seed=n), grid, shard)
+
+
+@pytest.mark.parametrize("grid_ndim", (1, 2))
+def test_conv_transpose_is_the_adjoint_of_conv(grid_ndim):
+    """<conv(x), y> == <x, conv_transpose(y)> across the layouts the two derive."""
+    shape = (1, 3, 14, 9)
+    grid, shard, sizes = layout(shape, (2, 3), grid_ndim, "uneven")
+    w = global_tensor((2, 3, 3, 3), seed=3)
+    x = shard_like(global_tensor(shape, seed=1), grid, shard, sizes)
+    y = F.conv2d(x, w, stride=2, padding=1)
+    yr = shard_like(global_tensor(tuple(y.shape), seed=2), grid, shard,
+                    {d: y.decomposition.block_sizes(d) for d in shard})
+    xt = F.conv_transpose2d(yr, w, stride=2, padding=1, output_padding=(1, 0))
+    assert xt.shape == x.shape
+    lhs = (y * yr).sum()
+    rhs = (x * xt).sum()  # xt's layout differs from x's: the product repartitions
+    assert abs(float(lhs) - float(rhs)) <= 1e-10 * max(1.0, abs(float(lhs)))
+
+
+def test_conv_gradient_passes_adjoint_test():
+    grid, shard, sizes = layout((2, 2, 11, 10), (2, 3), 2, "zero")
+    w = global_tensor((3, 2, 3, 3), seed=4)
+    x = shard_like(global_tensor((2, 2, 11, 10), seed=5), grid, shard, sizes)
+    adjoint_test(lambda t: F.conv2d(t, w, stride=(2, 1), padding=(1, 2), dilation=(1, 2)), x)
+
+
+# -- F.pad -----------------------------------------------------------------------------------------
+PAD_CASES = [(mode, pad, grid_ndim, kind, periodic)
+             for mode in ("constant", "reflect", "replicate", "circular")
+             for pad in ((1, 1, 2, 0), (2, 3, 1, 1), (0, 0, 5, 4), (3, 3, 3, 3))
+             for grid_ndim, kind, periodic in ((1, "even", False), (2, "uneven", True),
+                                               (2, "zero", False), (3, "zero", True))
+             if not (mode == "reflect" and max(pad) >= 6)]
+
+
+@pytest.mark.parametrize("case", PAD_CASES, ids=lambda c: "-".join(map(str, c)))
+def test_pad_matches_one_process(case):
+    mode, pad, grid_ndim, kind, periodic = case
+    shape = (2, 3, 7, 6)
+    grid, shard, sizes = layout(shape, (2, 3, 0), grid_ndim, kind, periodic=periodic)
+    kwargs = {"value": 0.5} if mode == "constant" else {}
+    assert_matches_single_process(lambda x: F.pad(x, pad, mode=mode, **kwargs),
+                                  global_tensor(shape), grid, shard, sizes=sizes)
+
+
+@pytest.mark.parametrize("mode", ("reflect", "replicate", "circular"))
+def test_pad_3d_float32(mode):
+    shape = (1, 2, 6, 5, 7)
+    grid, shard, sizes = layout(shape, (2, 3, 4), 3, "uneven")
+    assert_matches_single_process(lambda x: F.pad(x, (1, 2, 2, 1, 1, 1), mode=mode),
+                                  global_tensor(shape, torch.float32), grid, shard, sizes=sizes)
+
+
+# -- refusals ----------------------------------------------------------------------------------
+def test_refusals():
+    grid, shard, sizes = layout((2, 4, 8, 8), (1, 2), 2, "even")
+    x = shard_like(global_tensor((2, 4, 8, 8)), grid, shard, sizes)
+    w = global_tensor((4, 4, 3, 3))
+    if 1 in shard:  # the channel dim is cut when the grid has an axis for it
+        raises_everywhere(lambda: F.conv2d(x, w, padding=1), "channel dim 1")
+    grid, shard, sizes = layout((4, 8, 8), (1,), 1, "even")
+    x3 = shard_like(global_tensor((4, 8, 8)), grid, shard, sizes)
+    raises_everywhere(lambda: F.conv2d(x3, w, padding=1), "batched input")
+    x4 = shard_like(global_tensor((2, 4, 8, 8)), grid, {2: 0}, None)
+    wd = shard_like(w, grid, {0: 0}, None) if SIZE > 1 else None
+    if wd is not None:
+        raises_everywhere(lambda: F.conv2d(x4, wd), "weight must be a plain")
+    raises_everywhere(lambda: F.pad(x4, (0, 0, -1, 0)), "negative padding")
+
+
+def test_torch_errors_on_every_rank():
+    """Bad arguments get torch's own error on every rank, before any message."""
+    grid, shard, sizes = layout((1, 4, 8, 8), (2,), 1, "zero")
+    x = shard_like(global_tensor((1, 4, 8, 8)), grid, shard, sizes)
+    with pytest.raises(RuntimeError, match="strided"):
+        F.conv2d(x, global_tensor((4, 4, 3, 3)), stride=2, padding="same")
+    with pytest.raises(RuntimeError):
+        F.conv2d(x, global_tensor((4, 3, 3, 3)))
+
+
+def test_the_sample_covers_every_option():
+    """The generated matrix keeps covering every option value as it evolves."""
+    convs = _conv_cases(60)
+    seen = [set(map(str, col)) for col in zip(*convs)]
+    nsp, k, stride, dilation, groups, mode, padding, grid_ndim, kind, periodic, _ = seen
+    assert nsp == {"1", "2", "3"} and grid_ndim == {"1", "2", "3"}
+    assert kind == {"even", "uneven", "zero"} and periodic == {"True", "False"}
+    assert mode == {"zeros", "reflect", "replicate", "circular"}
+    assert {"same", "valid", "0", "1", "2"} <= padding and any("(" in p for p in padding)
+    assert groups == {"1", "2", "4"} and {"1", "2", "3"} <= stride and dilation == {"1", "2"}
+    transposed = _conv_t_cases(50)
+    seen = [set(map(str, col)) for col in zip(*transposed)]
+    assert seen[0] == {"1", "2", "3"} and seen[6] == {"0", "1", "2"}  # dims, output_padding
+    assert seen[2] == {"1", "2", "3"} and seen[3] == {"1", "2"} and seen[4] == {"1", "2", "4"}
+    assert any(0 in c[-1] for c in convs) and any(0 in c[-1] for c in transposed)  # batch cut
