@@ -123,6 +123,8 @@ _FORMS = {torch.softmax: False, T.softmax: False, torch.log_softmax: True, T.log
 
 @register(*_F_FORMS, *_FORMS)
 def softmax(func, args, kwargs):
+    """Local along an unsharded dim; collective along a sharded one (global max shift and
+    allreduce of exponentials). dim, dtype."""
     log = _F_FORMS.get(func, _FORMS.get(func))
     names = ("input", "dim", "_stacklevel", "dtype") if func in _F_FORMS else \
         ("input", "dim", "dtype")

@@ -76,6 +76,8 @@ _WEIGHT_SUM_MEAN = {F.mse_loss, F.l1_loss}
 
 @register(*_ELEMENTWISE)
 def elementwise_loss(func, args, kwargs):
+    """Local elementwise loss, then a global reduction (allreduce) for reduction='mean' or
+    'sum'; 'none' keeps the layout. weight, beta and delta as torch."""
     names, defaults = _ELEMENTWISE[func]
     a = bind(func, args, kwargs, names, {"reduction": "mean", **defaults})
     reduction = _check_common(func, a)

@@ -72,6 +72,9 @@ def _operands(args, kwargs):
 
 @register(*_forms(NAMES))
 def elementwise(func, args, kwargs):
+    """Local (a repartition when operands are laid out differently). Broadcasting elementwise
+    ops in every form: torch., Tensor., in place, operators, F. activations, comparisons,
+    where; plain tensors broadcast against a sharded dim are sliced to the block."""
     if "out" in kwargs and kwargs["out"] is not None:
         raise UnsupportedOpError(f"{op_name(func)}: out= is not supported on DomainTensors; "
                                  f"assign the result instead")

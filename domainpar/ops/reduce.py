@@ -98,6 +98,8 @@ def global_sum(x: DomainTensor, dims, keepdim=False, dtype=None):
 
 @register(torch.sum, T.sum, torch.nansum, T.nansum)
 def _sum(func, args, kwargs):
+    """Collective over the axes of the reduced sharded dims (allreduce). Any dims, keepdim,
+    dtype; replicated result, or a DomainTensor where sharded dims remain."""
     x, dim, keepdim, dtype = _bind(func, args, kwargs, ("input", "dim", "keepdim", "dtype"), {})
     dims = normalize_dims(dim, x.ndim)
     part = func(x._local, dim=dims, keepdim=True, dtype=dtype)
@@ -106,6 +108,8 @@ def _sum(func, args, kwargs):
 
 @register(torch.mean, T.mean)
 def _mean(func, args, kwargs):
+    """Collective over the axes of the reduced sharded dims (allreduce). Any dims, keepdim,
+    dtype."""
     x, dim, keepdim, dtype = _bind(func, args, kwargs, ("input", "dim", "keepdim", "dtype"), {})
     if not (x.dtype.is_floating_point or x.dtype.is_complex) and dtype is None:
         return func(x._local, dim, keepdim)  # torch's own error for integer input
@@ -137,6 +141,8 @@ def global_extremum(x: DomainTensor, dims, keepdim: bool, op: str):
 
 @register(torch.amax, T.amax, torch.amin, T.amin)
 def _amax_amin(func, args, kwargs):
+    """Collective over the axes of the reduced sharded dims (allreduce max/min). Any dims,
+    keepdim; the gradient is shared among tied maxima as torch shares it."""
     x, dim, keepdim = _bind(func, args, kwargs, ("input", "dim", "keepdim"), {"dim": ()})
     dims = normalize_dims(dim, x.ndim)
     return global_extremum(x, dims, bool(keepdim), "max" if "max" in func.__name__ else "min")
@@ -144,6 +150,8 @@ def _amax_amin(func, args, kwargs):
 
 @register(torch.max, T.max, torch.min, T.min)
 def _max_min(func, args, kwargs):
+    """Collective over the axes of the reduced sharded dims. Whole-tensor max/min, along one
+    dim with global indices, and the elementwise two-tensor form."""
     names = ("input", "dim", "keepdim")
     if len(args) > 1 and isinstance(args[1], torch.Tensor) or "other" in kwargs:
         return elementwise(func, args, kwargs)  # torch.max(a, b): elementwise
@@ -230,6 +238,8 @@ def _var_args(func, args, kwargs):
 
 @register(torch.var, T.var, torch.std, T.std, torch.var_mean, torch.std_mean)
 def _var_std(func, args, kwargs):
+    """Collective (two allreduce passes: the global mean, then squared deviations). Any dims,
+    correction/unbiased, keepdim; var_mean, std_mean."""
     x, dims, correction, keepdim = _var_args(func, args, kwargs)
     var, mean = global_var(x, dims, correction, keepdim)
     out = var.sqrt() if func.__name__.startswith("std") else var
@@ -266,6 +276,8 @@ def global_vector_norm(x: DomainTensor, ord, dims, keepdim: bool, dtype=None):
 
 @register(torch.linalg.vector_norm)
 def _vector_norm(func, args, kwargs):
+    """Collective over the axes of the reduced sharded dims. Any ord (0, inf, -inf, p), dims,
+    keepdim, dtype."""
     x, ord, dim, keepdim, dtype = _bind(func, args, kwargs,
                                         ("input", "ord", "dim", "keepdim", "dtype"), {"ord": 2})
     return global_vector_norm(x, float(ord), normalize_dims(dim, x.ndim), bool(keepdim), dtype)
@@ -273,6 +285,8 @@ def _vector_norm(func, args, kwargs):
 
 @register(torch.norm, T.norm)
 def _norm(func, args, kwargs):
+    """Collective over the axes of the reduced sharded dims. p-norms, 'fro', inf; dims,
+    keepdim, dtype."""
     # torch.norm(input, p, dim, keepdim, out, dtype); the Python wrapper passes out=None.
     x, p, dim, keepdim, out, dtype = _bind(func, args, kwargs,
                                            ("input", "p", "dim", "keepdim", "out", "dtype"),
@@ -290,6 +304,7 @@ def _norm(func, args, kwargs):
 # -- logsumexp ----------------------------------------------------------------------------------
 @register(torch.logsumexp, T.logsumexp)
 def _logsumexp(func, args, kwargs):
+    """Collective (a global max shift, then an allreduce of exponentials). Any dims, keepdim."""
     x, dim, keepdim = _bind(func, args, kwargs, ("input", "dim", "keepdim"), {})
     dims = normalize_dims(dim, x.ndim)
     local, comm = x._local, _comm(x, dims)
@@ -307,6 +322,8 @@ def _logsumexp(func, args, kwargs):
 # -- all, any ------------------------------------------------------------------------------------
 @register(torch.all, T.all, torch.any, T.any)
 def _all_any(func, args, kwargs):
+    """Collective over the axes of the reduced sharded dims. Any dims, keepdim; a replicated
+    bool result."""
     x, dim, keepdim = _bind(func, args, kwargs, ("input", "dim", "keepdim"), {})
     dims = normalize_dims(dim, x.ndim)
     part = func(x._local, dim=dims, keepdim=True).to(torch.uint8)

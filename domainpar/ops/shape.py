@@ -130,6 +130,7 @@ def _reorder(func, x: DomainTensor, args, kwargs, local_op):
           torch.swapdims, T.swapdims, torch.movedim, T.movedim, torch.moveaxis, T.moveaxis,
           torch.t, T.t, torch.adjoint, T.adjoint)
 def reorder(func, args, kwargs):
+    """Local. Permutes dims; sharded dims move with their grid axes."""
     x = _self(func, args, kwargs)
     rest, kw = _rest(args, kwargs)
     return _reorder(func, x, args, kwargs, lambda local: func(local, *rest, **kw))
@@ -397,6 +398,8 @@ def _in_place_names():
 
 @register(*_in_place_names())
 def in_place_shape(func, args, kwargs):
+    """Refused: in-place shape changes (resize_, set_, as_strided, squeeze_, unsqueeze_, t_,
+    transpose_ ...) cannot change a layout every rank shares."""
     x = args[0]
     raise UnsupportedOpError(
         f"{op_name(func)} on a DomainTensor (global shape {tuple(x.shape)}): a DomainTensor's "

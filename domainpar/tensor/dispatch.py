@@ -77,6 +77,11 @@ def has_rule(func: Any) -> bool:
     return func in _RULES
 
 
+def rules() -> dict[Any, Callable]:
+    """A copy of the dispatch table: ``{torch callable: rule}``."""
+    return dict(_RULES)
+
+
 @contextlib.contextmanager
 def allow_gather() -> Iterator[None]:
     """Inside this block, a torch op with no domain-parallel rule gathers its
