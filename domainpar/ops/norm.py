@@ -1,0 +1,449 @@
+"""Normalization: batch_norm, instance_norm, group_norm and layer_norm on
+DomainTensors (and the nn modules built on them: BatchNorm1d/2d/3d,
+InstanceNorm1d/2d/3d, GroupNorm, LayerNorm).
+
+Each op normalizes over a set of *reduced* dims, with one (mean, variance)
+statistic per index of the other dims:
+
+- batch_norm: every dim but the channel dim 1 (per channel);
+- instance_norm: the spatial dims (per sample and channel);
+- group_norm: the channels of a group and the spatial dims (per sample and group);
+- layer_norm: the trailing ``normalized_shape`` dims (per leading index).
+
+When no reduced dim is sharded the op is local: torch's own kernel runs on the
+block (running statistics excepted, see below). Otherwise the statistics are a
+collective over the grid axes that cut the reduced dims:
+
+1. each rank takes its block's moments (count n_i, mean_i, M2_i) with
+   ``torch.var_mean``; n_i follows from the layout, no message carries it;
+   an empty block has n_i = 0 and stays in the autograd graph;
+2. every rank gets every rank's (mean_i, M2_i): each writes its pair into its
+   row of a zero [P, 2, ...] tensor, summed by a differentiable allreduce
+   (adding zeros is exact, so every rank holds the same bits);
+3. they are combined in rank order with Chan's parallel formula,
+   mean = sum n_i mean_i / n and M2 = sum M2_i + n_i (mean_i - mean)^2, never
+   as E[x^2] - E[x]^2 (which loses every digit when the mean is large), so the
+   result is bitwise identical on every rank;
+4. mean and 1/sqrt(var + eps) enter the block's normalization through
+   ``ag.broadcast``, whose backward sums their gradients over the ranks.
+
+Backward is autograd's through these steps; the elementwise normalization
+(``Affine``) saves the input block, not a normalized copy of it, and computes
+its gradients from (x - mean), which stays exact under a large offset.
+
+Weight and bias are replicated and enter through ``enter_domain``: sliced to
+the block where their dim is sharded (channels of batch/instance/group norm,
+sharded dims of a layer norm's ``normalized_shape``), with their gradient
+summed over the ranks.
+
+Running statistics (batch_norm and instance_norm in training) are updated in
+place on every rank with the same numbers, momentum as given and the unbiased
+variance, as torch does: per-channel values of a sharded channel dim are
+assembled by a zero-padded allreduce (exact), and instance_norm's average over
+a sharded batch sums per-rank rows in rank order. Every rank therefore ends
+with bitwise identical running statistics.
+
+Sharded dims: any. batch_norm's statistics reduce over a sharded batch dim (its
+grid axis joins the communicator); instance, group and layer norm are per
+sample and need no message along the batch dim. A sharded channel dim works
+for batch_norm and instance_norm (statistics are per channel).
+
+Refused (UnsupportedOpError, on every rank alike):
+
+- group_norm with the channel dim sharded where a block boundary splits a
+  group (every block size along the channel dim must be a multiple of
+  channels / num_groups);
+- any DomainTensor among running_mean, running_var, weight and bias (they are
+  plain, replicated tensors).
+
+torch validates the arguments first, on the meta device with the global
+shapes (once per signature), so bad input gets torch's own error on every rank
+before any message.
+"""
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+import torch.nn.functional as F
+from mpi4py import MPI
+
+from .. import autograd as ag
+from ..comm.decomposition import Decomposition
+from ..tensor import layout
+from ..tensor.dispatch import UnsupportedOpError, op_name, register
+from ..tensor.domain_tensor import DomainTensor
+from ..tensor.params import enter_domain
+from . import window
+from .common import bind
+
+
+# -- arguments ---------------------------------------------------------------------------------
+def _signature(a):
+    if isinstance(a, torch.Tensor):
+        return ("tensor", tuple(a.shape), a.dtype)
+    return tuple(a) if isinstance(a, list) else a
+
+
+def _unsigned(s):
+    if isinstance(s, tuple) and len(s) == 3 and s[0] == "tensor":
+        return torch.empty(s[1], dtype=s[2], device="meta")
+    return s
+
+
+@functools.lru_cache(maxsize=1024)
+def _checked(func, signature) -> None:
+    func(*(_unsigned(s) for s in signature))
+
+
+def torch_checks(func, *args) -> None:
+    """torch's own argument errors, from the global shapes on the meta device, on
+    every rank alike before any message. Cached per signature: a model calls the
+    same layer with the same shapes every step (errors are not cached)."""
+    signature = tuple(_signature(a) for a in args)
+    try:
+        hash(signature)
+    except TypeError:  # an unhashable argument: check without the cache
+        func(*(_unsigned(s) for s in signature))
+        return
+    _checked(func, signature)
+
+
+def _check_operands(func, x, **plain) -> None:
+    if not isinstance(x, DomainTensor):
+        raise UnsupportedOpError(f"{op_name(func)}: only the input may be a DomainTensor")
+    for what, t in plain.items():
+        if isinstance(t, DomainTensor):
+            raise UnsupportedOpError(f"{op_name(func)}: {what} must be a plain (replicated) "
+                                     f"tensor, not a DomainTensor")
+
+
+# -- statistics -------------------------------------------------------------------------------
+def _axes(dec: Decomposition, dims) -> list[int]:
+    """The grid axes that cut ``dims``, in increasing order (sub-communicator order)."""
+    return sorted(dec.shard[d] for d in dims if d in dec.shard)
+
+
+def _member_counts(dec: Decomposition, dims, comm: MPI.Comm, base: int) -> list[int]:
+    """Element count of each member's block over the reduced ``dims``, in ``comm``'s
+    rank order: ``base`` (the unsharded reduced extents) times the member's block
+    sizes along the sharded ones. From the layout alone, no message."""
+    sharded = [d for d in dims if d in dec.shard]
+    if comm.Get_size() == 1:
+        return [base * math.prod(dec.local_shape()[d] for d in sharded)]
+    axes = _axes(dec, dims)
+    counts = []
+    for i in range(comm.Get_size()):
+        coords = comm.Get_coords(i)
+        n = base
+        for d in sharded:
+            n *= dec.block_sizes(d)[coords[axes.index(dec.shard[d])]]
+        counts.append(n)
+    return counts
+
+
+def _rows(t: torch.Tensor, comm: MPI.Comm, differentiable: bool) -> torch.Tensor:
+    """Collective over ``comm``. Every member's ``t`` as rows [P, *t.shape], the
+    same bits on every rank: each writes its row of a zero tensor, summed (adding
+    zeros is exact). Differentiable when asked: its gradient is this rank's row."""
+    p, r = comm.Get_size(), comm.Get_rank()
+    zeros = t.new_zeros
+    full = torch.cat([zeros((r,) + t.shape), t.unsqueeze(0), zeros((p - r - 1,) + t.shape)])
+    return ag.allreduce_sum(full, comm) if differentiable else ag.allreduce_tensor(full, comm)
+
+
+def moments(local: torch.Tensor, dims, comm: MPI.Comm, counts):
+    """Collective over ``comm``. (mean, M2, n) over the reduced ``dims`` of the
+    blocks of the members of ``comm`` (module docstring, steps 1-3); mean and M2
+    keep the reduced dims (size 1) and are replicated over ``comm``."""
+    dims = tuple(dims)
+    n_me = counts[comm.Get_rank()]
+    if local.numel() == 0:
+        # Zeros that stay in the graph: every rank's result must need grad alike,
+        # or only some would enter the backward's collectives.
+        mean_i = m2_i = local.sum(dim=dims, keepdim=True)
+    else:
+        var_i, mean_i = torch.var_mean(local, dim=dims, correction=0, keepdim=True)
+        m2_i = var_i * n_me
+    if comm.Get_size() == 1:
+        return mean_i, m2_i, n_me
+    rows = _rows(torch.stack([mean_i, m2_i]), comm, True)
+    live = [i for i, c in enumerate(counts) if c > 0]  # empty blocks contribute nothing
+    if not live:
+        return rows[0, 0], rows[0, 1], 0
+    n = sum(counts)
+    # Chan's parallel combination in rank order (identical bits on every rank):
+    # mean = sum n_i mean_i / n, taken as shifts from the first block's mean so that
+    # a large common offset costs no digits; M2 = sum M2_i + n_i (mean_i - mean)^2.
+    ref = rows[live[0], 0]
+    mean = ref
+    for i in live[1:]:
+        mean = mean + (rows[i, 0] - ref) * (counts[i] / n)
+    m2 = None
+    for i in live:
+        d = rows[i, 0] - mean
+        term = rows[i, 1] + counts[i] * (d * d)
+        m2 = term if m2 is None else m2 + term
+    return mean, m2, n
+
+
+def _invstd(m2: torch.Tensor, n: int, eps: float) -> torch.Tensor:
+    return torch.rsqrt(m2 / max(n, 1) + eps)
+
+
+def _enter_stats(mean, invstd, comm):
+    """The replicated statistics entering this block's computation: one Broadcast,
+    whose backward sums both gradients over ``comm`` in one allreduce."""
+    if comm.Get_size() == 1 or not (mean.requires_grad and torch.is_grad_enabled()):
+        return mean, invstd
+    both = ag.broadcast(torch.stack([mean, invstd]), comm)
+    return both[0], both[1]
+
+
+class Affine(torch.autograd.Function):
+    """Local. (x - mean) * invstd * weight + bias, every operand broadcast against
+    x (weight and bias may be None). Saves x and the small operands only (torch's
+    fused kernels save no more); backward forms (x - mean) again, which keeps the
+    weight and statistics gradients exact under a large offset."""
+
+    @staticmethod
+    def forward(ctx, x, mean, invstd, weight, bias):
+        scale = invstd if weight is None else invstd * weight
+        out = (x - mean).mul_(scale)
+        if bias is not None:
+            out.add_(bias)
+        ctx.save_for_backward(x, mean, invstd, weight)
+        ctx.bias_shape = None if bias is None else bias.shape
+        return out
+
+    @staticmethod
+    def backward(ctx, g):
+        x, mean, invstd, weight = ctx.saved_tensors
+        need_x, need_mean, need_inv, need_w, need_b = ctx.needs_input_grad
+        scale = invstd if weight is None else invstd * weight
+        gx = gmean = ginv = gw = gb = None
+        if need_x or need_mean:
+            gs = g * scale
+            gx = gs if need_x else None
+            gmean = -gs.sum_to_size(mean.shape) if need_mean else None
+        if need_inv or need_w:
+            gdev = g * (x - mean)
+            if need_inv:
+                ginv = (gdev if weight is None else gdev * weight).sum_to_size(invstd.shape)
+            if need_w:
+                gw = (gdev * invstd).sum_to_size(weight.shape)
+        if need_b:
+            gb = g.sum_to_size(ctx.bias_shape)
+        return gx, gmean, ginv, gw, gb
+
+
+def normalize(local, dims, comm, counts, eps, weight=None, bias=None):
+    """Collective over ``comm``. ``local`` normalized over ``dims`` with the
+    statistics of every member's block, then scaled and shifted by ``weight``
+    and ``bias`` (already this block's, broadcastable). Returns (out, mean, M2, n)
+    with mean and M2 replicated over ``comm``."""
+    mean, m2, n = moments(local, dims, comm, counts)
+    invstd = _invstd(m2, n, eps)
+    mean_b, invstd_b = _enter_stats(mean, invstd, comm)
+    return Affine.apply(local, mean_b, invstd_b, weight, bias), mean, m2, n
+
+
+def _empty_or(local, out_fn, *params):
+    """``out_fn()`` on a non-empty block; on an empty one, zeros still in the graph
+    of the parameters (their broadcast's backward is collective)."""
+    if local.numel() == 0:
+        return window.placeholder(local.shape, local, local, *params)
+    return out_fn()
+
+
+# -- running statistics -----------------------------------------------------------------------
+def _update_running(running_mean, running_var, new_mean, new_var, momentum):
+    """In place, as torch's kernels: r = (1 - momentum) r + momentum * new."""
+    with torch.no_grad():
+        if running_mean is not None:
+            running_mean.mul_(1 - momentum).add_(new_mean.to(running_mean.dtype), alpha=momentum)
+        if running_var is not None:
+            running_var.mul_(1 - momentum).add_(new_var.to(running_var.dtype), alpha=momentum)
+
+
+def _assemble_channels(values: torch.Tensor, dec: Decomposition, channel_dim: int,
+                       batch_dim: int | None = None) -> torch.Tensor:
+    """Collective over the axes of ``channel_dim`` (and ``batch_dim``). ``values``
+    [k, C_local] (summed over this block's batch entries) as [k, C]: each rank's
+    channels in place, summed over the batch blocks in rank order; identical bits
+    on every rank."""
+    dims = [d for d in (channel_dim, batch_dim) if d is not None and d in dec.shard]
+    comm = layout.comm_of(dec, dims)
+    c = dec.global_shape[channel_dim]
+    if channel_dim in dec.shard:
+        off = dec.offsets()[channel_dim]
+        values = F.pad(values, (off, c - off - values.shape[-1]))
+    if comm.Get_size() == 1:
+        return values
+    rows = _rows(values.detach(), comm, False)
+    out = rows[0]
+    for i in range(1, rows.shape[0]):
+        out = out + rows[i]
+    return out
+
+
+# -- batch_norm -------------------------------------------------------------------------------
+def _channel_params(dec, weight, bias, nd, channel_dim=1):
+    """Weight and bias (C,) as this block's, shaped to broadcast along ``channel_dim``."""
+    sliced = {0: channel_dim} if channel_dim in dec.shard else {}
+    shape = [1] * nd
+    shape[channel_dim] = -1
+    out = []
+    for p in (weight, bias):
+        out.append(None if p is None else enter_domain(p, dec, sliced).reshape(shape))
+    return out
+
+
+def _channel_slice(t, dec, channel_dim=1):
+    """A replicated per-channel tensor (running statistics) cut to this block's channels."""
+    if t is None or channel_dim not in dec.shard:
+        return t
+    return t[dec.local_slices()[channel_dim]]
+
+
+@register(F.batch_norm)
+def batch_norm(func, args, kwargs):
+    """Collective (allreduce of per-block moments over the axes of the sharded batch
+    and spatial dims). Training and eval, running statistics (momentum, unbiased
+    variance) identical on every rank, affine or not; channel dim may be sharded."""
+    a = bind(func, args, kwargs, ("input", "running_mean", "running_var", "weight", "bias",
+                                  "training", "momentum", "eps"),
+             {"training": False, "momentum": 0.1, "eps": 1e-5})
+    x, rm, rv, w, b = a["input"], a["running_mean"], a["running_var"], a["weight"], a["bias"]
+    _check_operands(func, x, running_mean=rm, running_var=rv, weight=w, bias=b)
+    training, momentum, eps = a["training"], a["momentum"], a["eps"]
+    torch_checks(func, x, rm, rv, w, b, training, momentum, eps)
+    dec, local, nd = x._dec, x._local, x.ndim
+    weight, bias = _channel_params(dec, w, b, nd)
+    if not training:
+        # Running statistics: elementwise per channel, torch's kernel on the block.
+        rm_l, rv_l = _channel_slice(rm, dec), _channel_slice(rv, dec)
+        return DomainTensor(_empty_or(local, lambda: func(
+            local, rm_l, rv_l, None if weight is None else weight.reshape(-1),
+            None if bias is None else bias.reshape(-1), False, momentum, eps), weight, bias), dec)
+
+    dims = [0] + list(range(2, nd))
+    comm = layout.comm_of(dec, dims)
+    base = math.prod(dec.global_shape[d] for d in dims if d not in dec.shard)
+    counts = _member_counts(dec, dims, comm, base)
+    out, mean, m2, n = normalize(local, dims, comm, counts, eps, weight, bias)
+    if rm is not None or rv is not None:
+        stats = torch.stack([mean.detach().reshape(-1), m2.detach().reshape(-1) / max(n - 1, 1)])
+        stats = _assemble_channels(stats, dec, 1)
+        _update_running(rm, rv, stats[0], stats[1], momentum)
+    return DomainTensor(out, dec)
+
+
+# -- instance_norm ----------------------------------------------------------------------------
+@register(F.instance_norm)
+def instance_norm(func, args, kwargs):
+    """Collective over the axes of the sharded spatial dims (none along batch or
+    channels). use_input_stats or running statistics, running statistics updated
+    identically on every rank (averaged over the whole batch), affine or not."""
+    a = bind(func, args, kwargs, ("input", "running_mean", "running_var", "weight", "bias",
+                                  "use_input_stats", "momentum", "eps"),
+             {"use_input_stats": True, "momentum": 0.1, "eps": 1e-5})
+    x, rm, rv, w, b = a["input"], a["running_mean"], a["running_var"], a["weight"], a["bias"]
+    _check_operands(func, x, running_mean=rm, running_var=rv, weight=w, bias=b)
+    use_input_stats, momentum, eps = a["use_input_stats"], a["momentum"], a["eps"]
+    torch_checks(func, x, rm, rv, w, b, use_input_stats, momentum, eps)
+    dec, local, nd = x._dec, x._local, x.ndim
+    weight, bias = _channel_params(dec, w, b, nd)
+    spatial = list(range(2, nd))
+    tracked = rm is not None or rv is not None
+    local_only = not use_input_stats or (not any(d in dec.shard for d in spatial) and (
+        not tracked or not dec.shard))
+    if local_only:
+        # The running statistics (elementwise per channel), or statistics per sample
+        # and channel within the block: torch's kernel on the block. It updates running
+        # statistics only where nothing is sharded (the block is the whole tensor).
+        rm_l, rv_l = _channel_slice(rm, dec), _channel_slice(rv, dec)
+        return DomainTensor(_empty_or(local, lambda: func(
+            local, rm_l, rv_l, None if weight is None else weight.reshape(-1),
+            None if bias is None else bias.reshape(-1), use_input_stats, momentum, eps),
+            weight, bias), dec)
+
+    comm = layout.comm_of(dec, spatial)
+    base = math.prod(dec.global_shape[d] for d in spatial if d not in dec.shard)
+    counts = _member_counts(dec, spatial, comm, base)
+    out, mean, m2, n = normalize(local, spatial, comm, counts, eps, weight, bias)
+    if tracked:
+        # torch: the batch average of the per-instance (mean, unbiased variance).
+        per = local.shape[:2]  # (N_local, C_local): reshape(0, -1) would be ambiguous
+        stats = torch.stack([mean.detach().reshape(per).sum(0),
+                             (m2.detach() / max(n - 1, 1)).reshape(per).sum(0)])
+        stats = _assemble_channels(stats, dec, 1, batch_dim=0) / max(dec.global_shape[0], 1)
+        _update_running(rm, rv, stats[0], stats[1], momentum)
+    return DomainTensor(out, dec)
+
+
+# -- group_norm -------------------------------------------------------------------------------
+@register(F.group_norm)
+def group_norm(func, args, kwargs):
+    """Collective over the axes of the sharded spatial dims (none along batch).
+    Any num_groups, affine or not; a sharded channel dim where every block holds
+    whole groups."""
+    a = bind(func, args, kwargs, ("input", "num_groups", "weight", "bias", "eps"), {"eps": 1e-5})
+    x, groups, w, b, eps = a["input"], a["num_groups"], a["weight"], a["bias"], a["eps"]
+    _check_operands(func, x, weight=w, bias=b)
+    torch_checks(func, x, groups, w, b, eps)
+    dec, local, nd = x._dec, x._local, x.ndim
+    per_group = x.shape[1] // groups
+    if 1 in dec.shard and any(s % per_group for s in dec.block_sizes(1)):
+        raise UnsupportedOpError(
+            f"{op_name(func)}: the channel dim 1 is sharded into blocks {dec.block_sizes(1)} "
+            f"that split groups of {per_group} channels ({layout.sharded_dims_text(dec)}); "
+            f"give every block a multiple of {per_group} channels or keep channels whole")
+    weight, bias = _channel_params(dec, w, b, nd)
+    local_groups = local.shape[1] // per_group
+    spatial = list(range(2, nd))
+    if not any(d in dec.shard for d in spatial):
+        return DomainTensor(_empty_or(local, lambda: func(
+            local, local_groups, None if weight is None else weight.reshape(-1),
+            None if bias is None else bias.reshape(-1), eps), weight, bias), dec)
+
+    # (N, G, C/G, spatial...): statistics per (sample, group) over dims 2.. of the view.
+    view = local.reshape((local.shape[0], local_groups, per_group) + tuple(local.shape[2:]))
+    dims = list(range(2, nd + 1))
+    comm = layout.comm_of(dec, spatial)
+    base = per_group * math.prod(dec.global_shape[d] for d in spatial if d not in dec.shard)
+    counts = _member_counts(dec, spatial, comm, base)
+    pshape = (1, local_groups, per_group) + (1,) * (nd - 2)
+    wv = None if weight is None else weight.reshape(pshape)
+    bv = None if bias is None else bias.reshape(pshape)
+    out, _, _, _ = normalize(view, dims, comm, counts, eps, wv, bv)
+    return DomainTensor(out.reshape(local.shape), dec)
+
+
+# -- layer_norm -------------------------------------------------------------------------------
+@register(F.layer_norm)
+def layer_norm(func, args, kwargs):
+    """Collective over the axes of the sharded normalized dims (none along the
+    others). Any normalized_shape (trailing dims, sharded or not); weight and bias
+    sliced to the block; elementwise_affine with or without bias."""
+    a = bind(func, args, kwargs, ("input", "normalized_shape", "weight", "bias", "eps"),
+             {"eps": 1e-5})
+    x, shape, w, b, eps = a["input"], a["normalized_shape"], a["weight"], a["bias"], a["eps"]
+    _check_operands(func, x, weight=w, bias=b)
+    torch_checks(func, x, shape, w, b, eps)  # an int shape too
+    shape = tuple(shape)
+    dec, local, nd = x._dec, x._local, x.ndim
+    k = len(shape)
+    dims = list(range(nd - k, nd))
+    sliced = {d - (nd - k): d for d in dims if d in dec.shard}
+    weight = None if w is None else enter_domain(w, dec, sliced)
+    bias = None if b is None else enter_domain(b, dec, sliced)
+    if not sliced:
+        return DomainTensor(_empty_or(local, lambda: func(local, shape, weight, bias, eps),
+                                      weight, bias), dec)
+    comm = layout.comm_of(dec, dims)
+    base = math.prod(dec.global_shape[d] for d in dims if d not in dec.shard)
+    counts = _member_counts(dec, dims, comm, base)
+    out, _, _, _ = normalize(local, dims, comm, counts, eps, weight, bias)
+    return DomainTensor(out, dec)
