@@ -166,7 +166,9 @@ def assert_matches_single_process(model: Callable, inputs, grid: ProcessGrid, sh
     dp_in = [shard_like(t, grid, s, z, g) for t, s, z, g in zip(inputs, shards, all_sizes, grads)]
     ref_out = ref_model(*ref_in)
     dp_out = dp_model(*dp_in)
-    g = torch.Generator().manual_seed(seed)
+    # Offset: with seed 0, an input drawn the usual way (randn from seed 0) would
+    # equal the weight, and sum(f(x) * x) hides some gradients (normalizations).
+    g = torch.Generator().manual_seed(seed + 7919)
     weight = torch.randn(ref_out.shape, generator=g, dtype=torch.float64).to(ref_out.dtype)
     (ref_out * weight).sum().backward()
     (dp_out * weight).sum().backward()
