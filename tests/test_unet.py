@@ -57,7 +57,7 @@ def _train(model, x, target, params):
         loss = F.mse_loss(model(x), target)
         loss.backward()
         opt.step()
-        losses.append(float(loss))
+        losses.append(float(loss.detach()))
     return losses
 
 
