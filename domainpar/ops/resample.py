@@ -1,0 +1,258 @@
+"""Interpolation (``F.interpolate``, ``nn.Upsample``) on inputs sharded along the
+batch dim and any spatial dims.
+
+Every mode torch has is separable: along each spatial dim, output ``j`` is a
+weighted sum of a few input cells ("taps"), the same for every position along
+the other dims. So each rank gathers the input cells its outputs read
+(``window.gather``: one halo fill over all sharded dims), then applies the taps
+one dim at a time (an ``index_select`` per tap, weighted and summed). Autograd
+records those local ops; the halo fill's backward returns ghost gradients to
+their owners.
+
+Where the taps come from: torch itself. Its index and weight arithmetic
+differs per mode, per dtype (float32 kernels compute source positions in
+float32: bilinear 18 -> 29 reads cells 15 and 16 of a float32 input where
+float64 reads 16 alone) and between versions; a re-derivation would be right
+only to rounding, and a rounding difference at a ``floor`` picks another cell.
+Instead we run torch's own op, with the caller's arguments, on probe tensors
+whose other spatial dims are 2 -> 2 (an exact copy in every mode): cell ``i``
+of probe ``r`` holds 1 (or ``i``) where ``i % P == r``, which reads off each
+output's taps and weights while no two taps of one output share a residue. A
+random probe checks them against torch to its own rounding, and ``P`` doubles
+until it holds (``P >= n`` is the identity probe, exact by construction).
+Probes are cached per (dim size, arguments, dtype, device).
+
+Output layout: output ``j`` goes to the rank holding the input cell nearest to
+its taps' weighted centre (``window.plan_axis`` anchors), so a 2x upsample of
+an even layout stays even.
+
+Supported: modes nearest, nearest-exact, linear, bilinear, bicubic, trilinear,
+area; ``size`` or ``scale_factor`` (scalar or per dim); ``align_corners``;
+``recompute_scale_factor``; ``antialias`` (bilinear, bicubic). With no spatial
+dim sharded, torch runs on the local block as it is.
+
+Refused (UnsupportedOpError on every rank), with a spatial dim sharded unless
+said otherwise: the channel dim 1 sharded (always); modes other than nearest
+and nearest-exact on non-floating dtypes (torch's integer kernels round in
+their own way); antialias with an output width of 1 and a resized height
+(torch's kernel copies its first output row there: no reference to match).
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from ..tensor import layout
+from ..tensor.dispatch import UnsupportedOpError, op_name, register
+from ..tensor.domain_tensor import DomainTensor
+from . import window
+from .common import bind
+
+_NAMES = ("input", "size", "scale_factor", "mode", "align_corners", "recompute_scale_factor",
+          "antialias")
+_DEFAULTS = {"mode": "nearest", "antialias": False}
+_SELECTING = ("nearest", "nearest-exact")  # modes whose taps are pure selections
+
+
+@dataclasses.dataclass(frozen=True, eq=False)  # hashed by identity: taps() caches them
+class Taps:
+    """One dim of an interpolation: output ``j`` is ``sum_k weight[k, j] *
+    input[index[k, j]]`` (``index`` sorted along ``k``; padding taps repeat the
+    first with weight 0)."""
+    index: np.ndarray   # (K, m) int64
+    weight: np.ndarray  # (K, m) in the probe dtype
+    plan_args: tuple    # (first, last, anchor) for window.plan_axis
+
+
+def _probe_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype torch decides indices and weights in: float64 for float64,
+    otherwise float32 (its opmath type for float32, float16 and bfloat16; and
+    nearest modes, the only ones we allow on integers, compute in float32)."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _run(vectors: torch.Tensor, nsp: int, axis: int, arg, by_size: bool, mode: str,
+         align_corners, recompute, antialias: bool) -> torch.Tensor:
+    """torch's interpolation along spatial dim ``axis`` of each row of ``vectors``
+    (B, n) -> (B, m); every other spatial dim is 2 -> 2, an exact copy in every
+    mode (1 -> 1 is not: torch 2.13's antialiased kernels misread a last dim of 1)."""
+    shape = [vectors.shape[0], 1] + [1] * nsp
+    shape[2 + axis] = vectors.shape[1]
+    full = [2] * nsp
+    full[axis] = vectors.shape[1]
+    if by_size:
+        size = [2] * nsp
+        size[axis] = arg
+        kw = {"size": size}
+    else:
+        scale = [1.0] * nsp
+        scale[axis] = arg
+        kw = {"scale_factor": scale, "recompute_scale_factor": recompute}
+    probe = vectors.reshape(shape).expand(*shape[:2], *full).contiguous()
+    out = F.interpolate(probe, mode=mode, align_corners=align_corners, antialias=antialias, **kw)
+    pick = [slice(None), 0] + [0] * nsp
+    pick[2 + axis] = slice(None)
+    return out[tuple(pick)]
+
+
+@functools.lru_cache(maxsize=512)
+def taps(n: int, nsp: int, axis: int, arg, by_size: bool, mode: str, align_corners,
+         recompute, antialias: bool, dtype: torch.dtype, device: str) -> Taps:
+    """Local (every rank computes the same). The taps torch uses along spatial dim
+    ``axis`` (input size ``n``) for these arguments, read off probes (module
+    docstring) in ``dtype`` on ``device``."""
+    run = functools.partial(_run, nsp=nsp, axis=axis, arg=arg, by_size=by_size, mode=mode,
+                            align_corners=align_corners, recompute=recompute,
+                            antialias=antialias)
+    g = torch.Generator().manual_seed(1234)
+    check = (torch.rand(n, generator=g, dtype=torch.float64) + 0.5).to(dtype).double()
+    i = torch.arange(n, dtype=torch.float64)
+    eps = torch.finfo(dtype).eps
+    p = 4
+    while True:
+        p = min(p, n)
+        residue = torch.arange(n) % p
+        ones = (residue[None, :] == torch.arange(p)[:, None]).to(torch.float64)
+        rows = torch.cat([ones, ones * i, check[None]]).to(dtype=dtype, device=device)
+        out = run(rows).to(device="cpu", dtype=torch.float64)
+        w, v, got = out[:p], out[p:2 * p], out[2 * p]
+        nz = w != 0
+        if p == n:  # one cell per residue: the identity probe, exact
+            index = torch.arange(n)[:, None].expand(n, w.shape[1]).clone()
+            break
+        index = torch.where(nz, torch.round(v / torch.where(nz, w, 1.0)), 0.0).long()
+        index = index.clamp(0, n - 1)
+        # Two taps of one output in one residue class would merge into one wrong
+        # tap: the check probe then differs from torch beyond torch's own rounding
+        # (a sum of at most p products), unless the merged weights are below it.
+        want = (w * check[index]).sum(0)
+        bound = 4 * (p + 2) * eps * ((w.abs() * check[index]).sum(0) + got.abs())
+        if bool(((index % p == torch.arange(p)[:, None]) | ~nz).all()) and \
+                bool(((want - got).abs() <= bound).all()):
+            break
+        p *= 2
+    # Sort each output's taps by index, zero weights (taps it does not read) last.
+    key = torch.where(nz, index, n + index)
+    order = key.argsort(0)
+    index, w, nz = index.gather(0, order), w.gather(0, order), nz.gather(0, order)
+    count = nz.sum(0)
+    k = max(int(count.max()) if count.numel() else 0, 1)  # area allows an empty output
+    index, w, nz = index[:k], w[:k], nz[:k]
+    index = torch.where(nz, index, index[:1])
+    w = torch.where(nz, w, 0.0)
+    first = index[0]
+    last = index.gather(0, (count - 1).clamp(min=0)[None])[0]
+    centre = (w * index).sum(0) / torch.where(w.sum(0) != 0, w.sum(0), 1.0)
+    anchor = np.maximum.accumulate(np.clip(np.floor(centre.numpy() + 0.5), 0, n - 1))
+    weight = w.numpy().astype(np.float64 if dtype == torch.float64 else np.float32)
+    return Taps(index.numpy(), weight, (first.numpy(), last.numpy(), anchor.astype(np.int64)))
+
+
+@functools.lru_cache(maxsize=512)
+def _plan(t: Taps, in_sizes: tuple[int, ...]) -> window.AxisPlan:
+    return window.plan_axis(*t.plan_args, in_sizes)
+
+
+@functools.lru_cache(maxsize=1024)
+def local_taps(t: Taps, start: int, stop: int, first: int, length: int, dtype: torch.dtype,
+               device: str):
+    """Local. This rank's taps as tensors ``(index, weight)``: outputs ``[start,
+    stop)``, indices relative to its gathered cells (``length`` of them, from
+    global input cell ``first``); ``weight`` None for a pure selection, and None
+    for both when the taps copy the cells as they are (n -> n nearest, say)."""
+    rel = t.index[:, start:stop] - first
+    w = t.weight[:, start:stop]
+    selection = rel.shape[0] == 1 and bool((w == 1).all())
+    if selection and length == stop - start and (rel[0] == np.arange(length)).all():
+        return None, None
+    index = torch.as_tensor(rel, device=device)
+    weight = None if selection else torch.as_tensor(w, device=device).to(dtype)
+    return index, weight
+
+
+def apply_taps(cells: torch.Tensor, d: int, index, weight) -> torch.Tensor:
+    """Local. The taps (``local_taps``) along dim ``d`` of ``cells``."""
+    if index is None:
+        return cells
+    shape = [1] * cells.ndim
+    shape[d] = -1
+    out = cells.index_select(d, index[0])
+    if weight is None:
+        return out
+    out = out * weight[0].view(shape)
+    for k in range(1, index.shape[0]):
+        out = torch.addcmul(out, cells.index_select(d, index[k]), weight[k].view(shape))
+    return out
+
+
+def _per_dim(value, nsp: int) -> list:
+    return list(value) if isinstance(value, (tuple, list, torch.Size)) else [value] * nsp
+
+
+def dim_taps(shape, dtype: torch.dtype, device, opts: dict) -> dict[int, Taps]:
+    """Local. ``{dim: Taps}`` for every spatial dim of an input of global ``shape``
+    under ``F.interpolate`` options ``opts`` (size, scale_factor, mode,
+    align_corners, recompute_scale_factor, antialias)."""
+    nsp = len(shape) - 2
+    by_size = opts.get("size") is not None
+    per_dim = ([int(s) for s in _per_dim(opts["size"], nsp)] if by_size
+               else [float(s) for s in _per_dim(opts["scale_factor"], nsp)])
+    return {d: taps(shape[d], nsp, d - 2, per_dim[d - 2], by_size, opts.get("mode", "nearest"),
+                    opts.get("align_corners"), opts.get("recompute_scale_factor"),
+                    bool(opts.get("antialias")), _probe_dtype(dtype), str(device))
+            for d in range(2, len(shape))}
+
+
+@register(F.interpolate)
+def interpolate(func, args, kwargs):
+    """Neighbour-wise collective (halo fill) when a spatial dim is sharded, else local.
+    Sharded on batch and spatial dims; modes nearest, nearest-exact, (bi/tri)linear,
+    bicubic, area; size or scale_factor; align_corners; recompute_scale_factor;
+    antialias."""
+    a = bind(func, args, kwargs, _NAMES, _DEFAULTS)
+    x = a["input"]
+    opts = {k: a[k] for k in _NAMES[1:]}
+    # torch's own checks and output shape, from the global shape on every rank alike
+    out_shape = tuple(func(torch.empty(x.shape, dtype=x.dtype, device="meta"), **opts).shape)
+    dec = x._dec
+    if 1 in dec.shard:
+        raise UnsupportedOpError(
+            f"{op_name(func)}: the channel dim 1 is sharded ({layout.sharded_dims_text(dec)}); "
+            f"redistribute so that channels are whole on every rank")
+    spatial = [d for d in range(2, x.ndim) if d in dec.shard]
+    if not spatial:
+        out_dec = layout.derive(dec, out_shape, dec.shard,
+                                {d: dec.block_sizes(d) for d in dec.shard})
+        return DomainTensor(func(x._local, **opts), out_dec)
+    mode = a["mode"]
+    if not (x.dtype.is_floating_point or mode in _SELECTING):
+        raise UnsupportedOpError(
+            f"{op_name(func)}: mode {mode!r} on {x.dtype} with sharded spatial dims "
+            f"({layout.sharded_dims_text(dec)}) is not supported; use a floating dtype")
+
+    if a["antialias"] and out_shape[-1] == 1 and out_shape[-2] != x.shape[-2]:
+        raise UnsupportedOpError(
+            f"{op_name(func)}: antialias=True with an output width of 1 and a resized height "
+            f"is refused on sharded spatial dims: torch's own kernel copies the first output "
+            f"row there (torch {torch.__version__}), so there is no reference to match")
+    all_taps = dim_taps(x.shape, x.dtype, x.device, opts)
+    plans = {d: _plan(t, window.block_sizes(dec, d)) for d, t in all_taps.items()}
+    sizes = {d: (plans[d].out_sizes if d in plans else dec.block_sizes(d)) for d in dec.shard}
+    out_dec = layout.derive(dec, out_shape, dec.shard, sizes)
+
+    cells = window.gather(x, plans)
+    # Shrinking dims first (the later passes then work on fewer cells), innermost
+    # first among the rest: index_select along an outer dim copies whole rows, the
+    # fast case, so it is best kept for the largest tensors (4x on a 2x trilinear).
+    for d in sorted(plans, key=lambda d: (out_shape[d] > x.shape[d], -d)):
+        p, c = plans[d], window.coordinate(dec, d)
+        start = p.out_offsets[c]
+        first, stop = p.need[c]
+        index, weight = local_taps(all_taps[d], start, start + p.out_sizes[c], first,
+                                   stop - first, x.dtype, str(x.device))
+        cells = apply_taps(cells, d, index, weight)
+    return DomainTensor(cells, out_dec)

@@ -1,0 +1,241 @@
+"""F.interpolate and nn.Upsample on DomainTensors (domainpar/ops/resample.py)
+against one process on the whole tensor: output and input gradient, float64
+and float32, over a seeded sample of (mode x size / scale_factor, up and down,
+integer and not, per dim x align_corners x recompute_scale_factor x antialias
+x 1-, 2-, 3-D) x (even, uneven, zero-size, periodic layouts) x (1-, 2-, 3-D
+grids); the layouts it derives; and the refusals, on every rank.
+
+The serial test checks the building block first: the taps read off torch's
+probes reproduce torch on whole tensors."""
+import random
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from mpi4py import MPI
+
+import domainpar as dp
+from domainpar.ops import resample
+from domainpar.testing import assert_matches_single_process, shard_like
+from tensor_cases import SIZE, global_tensor, layout, raises_everywhere
+
+SHAPES = {1: (2, 3, 23), 2: (2, 3, 13, 11), 3: (2, 2, 9, 7, 6)}
+INTERPOLATING = {"linear": 1, "bilinear": 2, "bicubic": 2, "trilinear": 3}
+SELECTING = ("nearest", "nearest-exact", "area")  # no align_corners; any spatial rank
+SPECS = ("size_up", "size_down", "scale_int", "scale_frac", "scale_down", "scale_per_dim")
+
+
+def spec_kwargs(spec: str, nsp: int, rng: random.Random) -> dict:
+    """size= or scale_factor= for one sample (scalar or per dim)."""
+    n = SHAPES[nsp][2:]
+    if spec == "size_up":
+        size = tuple(int(s * 1.6) + 1 for s in n)
+        return {"size": size[0] if nsp == 1 and rng.random() < 0.5 else size}
+    if spec == "size_down":
+        return {"size": tuple(max(2, s // 3) for s in n)}
+    recompute = {"recompute_scale_factor": rng.choice((None, False, True))}
+    if spec == "scale_int":
+        return {"scale_factor": rng.choice((2, 3)), **recompute}
+    if spec == "scale_frac":
+        return {"scale_factor": rng.choice((1.7, 2.5, 4.3)), **recompute}
+    if spec == "scale_down":
+        return {"scale_factor": rng.choice((0.45, 0.7, 1 / 3)), **recompute}
+    return {"scale_factor": (2.5, 0.6, 1.0)[:nsp], **recompute}
+
+
+def option_sample():
+    """Every mode with every spec (and both align_corners where it applies),
+    antialias on the modes that have it; each mode's cases, in a seeded order,
+    take turns at the layout kinds, grids and dtypes, so every mode meets each."""
+    rng = random.Random(4)
+    combos = []
+    for mode in SELECTING:
+        for spec in SPECS:
+            combos.append((mode, rng.choice((1, 2, 3)), spec, {}))
+    for mode, nsp in INTERPOLATING.items():
+        for spec in SPECS:
+            for align in (False, True):
+                combos.append((mode, nsp, spec, {"align_corners": align}))
+    for mode in ("bilinear", "bicubic"):
+        for spec in ("size_down", "scale_down", "scale_frac"):
+            combos.append((mode, 2, spec, {"align_corners": rng.choice((False, True)),
+                                           "antialias": True}))
+    rng.shuffle(combos)
+    cases, seen = [], {}
+    for i, (mode, nsp, spec, extra) in enumerate(combos):
+        c = seen[mode, "antialias" in extra] = seen.get((mode, "antialias" in extra), -1) + 1
+        kind = ("even", "uneven", "zero", "periodic")[c % 4]
+        grid_ndim = 1 + (c + c // 4) % 3
+        dtype = (torch.float64, torch.float32)[(c + c // 4) % 2]
+        kw = {"mode": mode, **spec_kwargs(spec, nsp, rng), **extra}
+        cases.append(pytest.param(nsp, kw, kind, grid_ndim, dtype,
+                                  id=f"{mode}-{nsp}d-{spec}-{i}-{kind}-grid{grid_ndim}-"
+                                     f"{str(dtype)[-7:]}"))
+    return cases
+
+
+def sharded_layout(shape, kind: str, grid_ndim: int, with_batch: bool = True):
+    """Spatial dims first (the first grid_ndim of them are cut), then the batch dim."""
+    spatial = tuple(range(2, len(shape)))
+    periodic = kind == "periodic"
+    return layout(shape, spatial + ((0,) if with_batch else ()), grid_ndim,
+                  "uneven" if periodic else kind, periodic=periodic)
+
+
+def atol(dtype):
+    """The oracle's absolute tolerance, except in float32: an input gradient cell
+    sums up to ~100 products (trilinear x2.5: 5^3) of O(1) terms, so float32
+    rounding alone puts torch's own gradient ~4e-6 from the float64 truth, and
+    ours as far on the other side; rtol stays 1e-5."""
+    return 1e-5 if dtype == torch.float32 else None
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("nsp, kw, kind, grid_ndim, dtype", option_sample())
+def test_interpolate_matches_one_process(nsp, kw, kind, grid_ndim, dtype):
+    shape = SHAPES[nsp]
+    grid, shard, sizes = sharded_layout(shape, kind, grid_ndim)
+    assert_matches_single_process(lambda x: F.interpolate(x, **kw), global_tensor(shape, dtype),
+                                  grid, shard, sizes=sizes, atol=atol(dtype))
+
+
+UPSAMPLES = [
+    nn.Upsample(scale_factor=2, mode="trilinear", align_corners=False),
+    nn.Upsample(size=(17, 8, 13), mode="trilinear", align_corners=True),
+]
+
+
+MODULE_CASES = [pytest.param(m, kind, 1 + (2 * m + i) % 3, id=f"{name}-{kind}")
+                for m, name in enumerate(("scale2", "size-align"))
+                for i, kind in enumerate(("even", "uneven", "zero", "periodic"))]
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("module, kind, grid_ndim", MODULE_CASES)
+def test_upsample_module(module, kind, grid_ndim):
+    shape = (1, 2, 10, 7, 6)
+    grid, shard, sizes = sharded_layout(shape, kind, grid_ndim, with_batch=False)
+    for dtype in (torch.float64, torch.float32):
+        assert_matches_single_process(UPSAMPLES[module], global_tensor(shape, dtype), grid,
+                                      shard, sizes=sizes, atol=atol(dtype))
+
+
+@pytest.mark.mpi
+def test_even_layouts_stay_even():
+    """A 2x upsample keeps every rank's share: output block = 2 x input block;
+    a 2x area downsample halves it."""
+    shape = (1, 2, 8 * SIZE, 6)
+    grid, shard, _ = layout(shape, (2,), 1, "even")
+    x = shard_like(global_tensor(shape), grid, shard)
+    for mode, extra in (("nearest", {}), ("bilinear", {"align_corners": False}),
+                        ("bicubic", {"align_corners": True})):
+        y = F.interpolate(x, scale_factor=2, mode=mode, **extra)
+        assert y._dec.block_sizes(2) == tuple(2 * s for s in x._dec.block_sizes(2)), mode
+    y = F.interpolate(x, scale_factor=0.5, mode="area")
+    assert y._dec.block_sizes(2) == tuple(s // 2 for s in x._dec.block_sizes(2))
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("mode", ("bilinear", "area"))
+def test_batch_only_sharded(mode):
+    """No spatial dim cut: torch runs on each block as it is."""
+    shape = (5, 2, 6, 7)
+    grid, shard, sizes = layout(shape, (0,), 1, "uneven")
+    assert_matches_single_process(lambda x: F.interpolate(x, size=(9, 4), mode=mode),
+                                  global_tensor(shape), grid, shard, sizes=sizes)
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("mode", ("nearest", "nearest-exact"))
+def test_selection_on_integers(mode):
+    """Nearest modes only select cells: they work on integer dtypes too."""
+    shape = (1, 2, 11, 9)
+    grid, shard, sizes = layout(shape, (2, 3), 2, "uneven")
+    whole = (global_tensor(shape) * 50).to(torch.uint8)
+    x = shard_like(whole, grid, shard, sizes)
+    got = F.interpolate(x, scale_factor=(1.7, 0.6), mode=mode).full_tensor()
+    assert torch.equal(got, F.interpolate(whole, scale_factor=(1.7, 0.6), mode=mode))
+
+
+def _cut(shape, shard, dtype=torch.float64):
+    grid = dp.ProcessGrid(MPI.Compute_dims(SIZE, len(shard)))
+    return shard_like(global_tensor(shape).to(dtype), grid, shard)
+
+
+@pytest.mark.mpi
+def test_refusals():
+    x = _cut((2, 4, 6, 6), {1: 0})
+    raises_everywhere(lambda: F.interpolate(x, scale_factor=2), "channel dim 1 is sharded")
+    raises_everywhere(lambda: nn.Upsample(scale_factor=2)(x), "channel dim 1 is sharded")
+    y = _cut((2, 4, 6, 6), {2: 0}, torch.uint8)
+    raises_everywhere(lambda: F.interpolate(y, scale_factor=2, mode="bilinear"),
+                      "'bilinear'", "torch.uint8", "floating dtype")
+    z = _cut((1, 2, 12, 5), {2: 0})
+    raises_everywhere(lambda: F.interpolate(z, size=(4, 1), mode="bilinear", antialias=True),
+                      "antialias", "width of 1")
+
+
+@pytest.mark.mpi
+def test_torch_errors_on_every_rank():
+    """Bad arguments get torch's own error, on every rank, before any message."""
+    x = _cut((1, 2, 8, 6), {2: 0})
+    for kw in ({"scale_factor": 2, "align_corners": True},  # nearest has no corners
+               {"size": 4, "scale_factor": 2, "mode": "bilinear"},
+               {"size": (4, 4, 4), "mode": "bilinear"},
+               {"size": 4, "mode": "bilinear", "recompute_scale_factor": True},
+               {"scale_factor": 2, "mode": "nearest", "antialias": True}):
+        try:
+            F.interpolate(x, **kw)
+            story = None
+        except (ValueError, RuntimeError, NotImplementedError) as exc:
+            story = type(exc).__name__
+        stories = MPI.COMM_WORLD.allgather(story)
+        assert stories[0] is not None and len(set(stories)) == 1, (kw, stories)
+
+
+# -- serial: the taps themselves --------------------------------------------------------------
+def tap_sample():
+    rng = random.Random(7)
+    modes = {1: ("nearest", "nearest-exact", "linear", "area"),
+             2: ("nearest", "nearest-exact", "bilinear", "bicubic", "area", "aa-bilinear",
+                 "aa-bicubic"),
+             3: ("nearest", "nearest-exact", "trilinear", "area")}
+    cases = []
+    while len(cases) < 120:
+        nsp = rng.choice((1, 2, 3))
+        mode = rng.choice(modes[nsp])
+        shape = [1, 2] + [rng.randint(1, 40 if nsp < 3 else 12) for _ in range(nsp)]
+        kw = {"mode": mode.removeprefix("aa-"), "antialias": mode.startswith("aa-")}
+        if kw["mode"] in INTERPOLATING or kw["mode"] == "bicubic":
+            kw["align_corners"] = rng.random() < 0.5
+        if rng.random() < 0.5:
+            kw["size"] = [rng.randint(1, 50 if nsp < 3 else 14) for _ in range(nsp)]
+        else:
+            kw["scale_factor"] = [rng.choice((2, 3, 0.5, 1.7, 0.3, 2.5, 1 / 3, 0.7, 1.0, 4.3))
+                                  for _ in range(nsp)]
+            kw["recompute_scale_factor"] = rng.choice((None, False, True))
+        try:
+            out = F.interpolate(torch.zeros(shape), **kw)
+        except (ValueError, RuntimeError):
+            continue
+        if kw["antialias"] and out.shape[-1] == 1 and out.shape[-2] != shape[-2]:
+            continue  # torch's own kernel is off there (refused, see test_refusals)
+        cases.append((shape, kw))
+    return cases
+
+
+@pytest.mark.parametrize("dtype", (torch.float64, torch.float32))
+def test_taps_reproduce_torch(dtype):
+    """Applying the per-dim taps to a whole tensor is torch's interpolation:
+    float64 to ~1e-13, float32 to torch's own rounding."""
+    tol = {torch.float64: (1e-12, 1e-13), torch.float32: (1e-5, 1e-6)}[dtype]
+    for i, (shape, kw) in enumerate(tap_sample()):
+        x = global_tensor(shape, dtype, seed=i)
+        out = x
+        for d, t in resample.dim_taps(x.shape, dtype, "cpu", kw).items():
+            m = t.index.shape[1]
+            index, weight = resample.local_taps(t, 0, m, 0, out.shape[d], dtype, "cpu")
+            out = resample.apply_taps(out, d, index, weight)
+        torch.testing.assert_close(out, F.interpolate(x, **kw), rtol=tol[0], atol=tol[1],
+                                   msg=lambda m: f"{shape} {kw}: {m}")
