@@ -1,0 +1,630 @@
+"""`domainpar bench conv`: convolutions on N ranks against one process.
+
+The cases: Conv3d(4, 4, 3, padding=1) on 1x4x128^3 and Conv2d(8, 8, 3,
+padding=1) on 1x8x1024^2, float32, sharded along dim 2 over a 1-D grid of all
+ranks, one torch thread per rank; a step is forward and ``.mean().backward()``
+(input, weight and bias gradients). Measured:
+
+- step time on N ranks and in one process, interleaved step by step in one
+  N-rank job (see ``_time_one_process`` for why that is fair); the speedup is
+  the ratio of the medians. CPU time too (the busiest rank's), which a shared
+  machine's other load disturbs less than wall time;
+- halo time left exposed: time inside ``HaloExchange.fill``/``accumulate``
+  during the N-rank step (they block: none of it is overlapped), and inside the
+  HaloFill/HaloAccumulate Functions around them (the exchange plus a copy of
+  the padded block);
+- where the time goes: one step of each under torch.profiler, self CPU time
+  summed by kind (conv forward, conv backward, halo, copies, other);
+- the overlap probe: on one rank, its step on its halo'd block as one conv
+  against the same conv split into the interior that needs no ghost cells and
+  the two boundary slabs that do (the split an overlapped exchange needs),
+  beside the exchange time that overlap could hide;
+- per-rank peak memory above the import baseline, each in a fresh process
+  (``_memory_worker``), N ranks against one process, alternating launches: the
+  conv steps and a training step (forward, loss, backward, SGD with momentum,
+  DomainParallel on N ranks) of a small 3-D UNet-like net, ``small_unet``;
+  ``--unet MODULE:CALLABLE`` swaps in another model. Each under glibc's
+  default malloc and with a fixed mmap threshold (``ALLOCATORS``).
+
+Targets (issue 4): speedup >= 1.9 for the 3-D conv; the UNet step's per-rank
+peak above the import baseline <= 0.55 of one process's.
+
+The command runs outside any MPI launcher and launches its own jobs: one
+N-rank timing job, then the memory jobs. Their rank 0 writes a JSON result
+that this process collects (``python -m domainpar.bench.conv --worker ...``).
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import ctypes
+import gc
+import importlib
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+CASES = {  # name -> (module factory, global input shape)
+    "conv3d": (lambda: torch.nn.Conv3d(4, 4, 3, padding=1), (1, 4, 128, 128, 128)),
+    "conv2d": (lambda: torch.nn.Conv2d(8, 8, 3, padding=1), (1, 8, 1024, 1024)),
+}
+SHARDED_DIM = 2
+DEFAULT_UNET = "domainpar.bench.conv:small_unet"
+DEFAULT_UNET_SHAPE = (1, 2, 64, 64, 64)
+TARGET_SPEEDUP = 1.9     # 3-D case
+TARGET_MEMORY = 0.55     # UNet training step, per rank over one process
+
+
+class SmallUNet(torch.nn.Module):
+    """A stand-in for the 3-D UNet: conv+GELU blocks at two levels, a strided
+    conv down, a transposed conv up and a skip connection by cat."""
+
+    def __init__(self, channels: int = 2, width: int = 8):
+        super().__init__()
+        nn = torch.nn
+        self.enc = nn.Sequential(nn.Conv3d(channels, width, 3, padding=1), nn.GELU(),
+                                 nn.Conv3d(width, width, 3, padding=1), nn.GELU())
+        self.down = nn.Conv3d(width, 2 * width, 3, stride=2, padding=1)
+        self.mid = nn.Sequential(nn.GELU(), nn.Conv3d(2 * width, 2 * width, 3, padding=1),
+                                 nn.GELU())
+        self.up = nn.ConvTranspose3d(2 * width, width, 2, stride=2)
+        self.dec = nn.Sequential(nn.Conv3d(2 * width, width, 3, padding=1), nn.GELU(),
+                                 nn.Conv3d(width, channels, 1))
+
+    def forward(self, x):
+        skip = self.enc(x)
+        return self.dec(torch.cat([self.up(self.mid(self.down(skip))), skip], 1))
+
+
+def small_unet(channels: int) -> torch.nn.Module:
+    """The default ``--unet``: called with the input's channel count."""
+    return SmallUNet(channels)
+
+
+def _resolve(spec: str):
+    module, _, name = spec.partition(":")
+    return getattr(importlib.import_module(module), name)
+
+
+# -- problems: one step on N ranks or in one process ------------------------------------------
+def _problem(factory, shape, grid, train: bool):
+    """Build a model and input (on ``grid``: this rank's block only; None: the
+    whole tensor, plain torch); returns (a function running one step, model)."""
+    import domainpar as dp
+    from ..comm import Decomposition
+    torch.manual_seed(0)
+    model = factory()
+    rank = 0 if grid is None else grid.rank
+    gen = torch.Generator().manual_seed(1 + rank)
+    if grid is None:
+        local = x = torch.randn(shape, generator=gen)
+    else:
+        dec = Decomposition(shape, grid, {SHARDED_DIM: 0})
+        local = torch.randn(dec.local_shape(), generator=gen)
+        x = dp.DomainTensor(local, dec)
+    if train:
+        if grid is not None:
+            model = dp.DomainParallel(model, grid)
+        opt = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
+
+        def step():
+            opt.zero_grad(set_to_none=True)
+            (model(x) - x).pow(2).mean().backward()
+            opt.step()
+        return step, model
+    local.requires_grad_(True)
+
+    def step():
+        local.grad = None
+        model.zero_grad(set_to_none=True)
+        model(x).mean().backward()
+    return step, model
+
+
+def _spec(what: str, unet: str, unet_shape, scale: float):
+    """(factory, shape, train) for a case name or "unet"."""
+    if what == "unet":
+        shape = tuple(unet_shape)
+        return (lambda: _resolve(unet)(shape[1])), _scaled(shape, scale), True
+    factory, shape = CASES[what]
+    return factory, _scaled(shape, scale), False
+
+
+def _scaled(shape, scale: float):
+    return tuple(shape[:2]) + tuple(max(4, int(round(s * scale))) for s in shape[2:])
+
+
+# -- timing -------------------------------------------------------------------------------------
+_HALO = {"exchange": 0.0, "functions": 0.0}
+_EXCHANGE_CALLS: list[float] = []  # this step's exchange durations, in call order
+
+
+def _instrument() -> None:
+    """Time (and label for the profiler) every halo exchange and the autograd
+    Functions around them. The wrappers cost two clock reads per call."""
+    from ..autograd import primitives
+    from ..comm import HaloExchange
+
+    def timed(fn, key, label):
+        def wrapper(*args, **kwargs):
+            with torch.profiler.record_function(label):
+                t0 = time.perf_counter()
+                try:
+                    return fn(*args, **kwargs)
+                finally:
+                    took = time.perf_counter() - t0
+                    _HALO[key] += took
+                    if key == "exchange":
+                        _EXCHANGE_CALLS.append(took)
+        return wrapper
+    HaloExchange.fill = timed(HaloExchange.fill, "exchange", "domainpar::halo_exchange")
+    HaloExchange.accumulate = timed(HaloExchange.accumulate, "exchange",
+                                    "domainpar::halo_exchange")
+    for cls in (primitives.HaloFill, primitives.HaloAccumulate):
+        cls.forward = staticmethod(timed(cls.forward, "functions", f"domainpar::{cls.__name__}"))
+
+
+def _idle_barrier(comm) -> None:
+    """A barrier that sleeps while it waits (MPI_Barrier polls a core busily)."""
+    req = comm.Ibarrier()
+    while not req.Test():
+        time.sleep(0.001)
+
+
+def _time_ranks(comm, step) -> dict:
+    """Collective. One N-rank step: the slowest rank's wall and CPU time, each
+    rank's time inside halo exchanges, and an estimate of the exchanges' own
+    cost: per exchange, the time of the rank that took least (the last to
+    arrive, which did not wait for a neighbour), summed over the exchanges."""
+    comm.Barrier()
+    _HALO.update(exchange=0.0, functions=0.0)
+    _EXCHANGE_CALLS.clear()
+    t0, c0 = time.perf_counter(), time.thread_time()
+    step()
+    mine = (time.perf_counter() - t0, time.thread_time() - c0, _HALO["exchange"],
+            _HALO["functions"], list(_EXCHANGE_CALLS))
+    per_rank = comm.allgather(mine)
+    return {"wall": max(r[0] for r in per_rank), "cpu": max(r[1] for r in per_rank),
+            "halo_exchange": [r[2] for r in per_rank], "halo_functions": [r[3] for r in per_rank],
+            "halo_exchange_cost": sum(map(min, zip(*(r[4] for r in per_rank))))}
+
+
+def _time_one_process(comm, step) -> dict:
+    """Collective. One step of the whole problem in one process, on rank 0.
+
+    Fair on a machine with few cores: the other ranks wait in a barrier that
+    sleeps, so rank 0 runs as a lone process would, with the other cores free.
+    (An MPI_Barrier would spin one core per waiting rank: on 2 cores, load that
+    the machine's other processes would then push onto rank 0's core.) Taking
+    it step by step, alternating with the N-rank step, puts both under the same
+    background load of a shared machine, which separate launches, minutes
+    apart, would not.
+    """
+    sample = None
+    if comm.Get_rank() == 0:
+        t0, c0 = time.perf_counter(), time.thread_time()
+        step()
+        sample = {"wall": time.perf_counter() - t0, "cpu": time.thread_time() - c0}
+    _idle_barrier(comm)
+    return comm.bcast(sample, root=0)
+
+
+def _on_rank0(comm, fn):
+    """Collective. ``fn()`` on rank 0 while the others sleep; its result everywhere."""
+    result = fn() if comm.Get_rank() == 0 else None
+    _idle_barrier(comm)
+    return comm.bcast(result, root=0)
+
+
+def _settle_exchanges() -> None:
+    """Collective. Run every cached exchange through its tuning calls (a plan
+    times two ways on its first calls), so timed steps see settled plans."""
+    import numpy as np
+    from ..comm import halo as halo_module
+    from ..ops import window
+    for halo in list(window._EXCHANGES.values()):
+        arr = np.zeros(halo.padded_shape, np.float32)
+        for _ in range(2 * halo_module.TUNING_CALLS + 1):
+            halo.fill(arr, check=False)
+            halo.accumulate(arr, check=False)
+
+
+_KINDS = (("conv backward", ("convolution_backward",)),
+          ("conv forward", ("convolution", "conv2d", "conv3d")),
+          ("halo exchange", ("domainpar::halo",)),
+          ("copies and padding", ("copy_", "clone", "pad", "fill_", "zero_", "narrow", "cat")))
+
+
+def _profile(comm, step, collective: bool) -> dict:
+    """Collective. Self CPU time (ms) by kind and the top ops of one profiled
+    step: of all ranks' step (rank 0's profile) or of rank 0's alone."""
+    from torch.profiler import ProfilerActivity, profile
+
+    def run():
+        prof = profile(activities=[ProfilerActivity.CPU])
+        with _quiet_stderr():  # kineto prints a line at start and stop
+            prof.start()
+        try:
+            if collective:
+                comm.Barrier()  # every rank profiling before the step starts
+            step()
+        finally:
+            with _quiet_stderr():
+                prof.stop()
+        return _summary(prof.key_averages())
+    if not collective:
+        return _on_rank0(comm, run)
+    summary = run()
+    return comm.bcast(summary if comm.Get_rank() == 0 else None, root=0)
+
+
+@contextlib.contextmanager
+def _quiet_stderr():
+    """Point file descriptor 2 at /dev/null (C++ libraries write there directly)."""
+    sys.stderr.flush()
+    saved, devnull = os.dup(2), os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, 2)
+    os.close(devnull)
+    try:
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+
+
+def _summary(averages) -> dict:
+    kinds = {name: 0.0 for name, _ in _KINDS}
+    kinds["other"] = 0.0
+    top = []
+    for ev in averages:
+        ms = ev.self_cpu_time_total / 1e3
+        kind = next((name for name, keys in _KINDS if any(k in ev.key for k in keys)), "other")
+        kinds[kind] += ms
+        top.append({"op": ev.key, "self_ms": ms, "calls": ev.count})
+    top.sort(key=lambda e: -e["self_ms"])
+    return {"self_ms_by_kind": kinds, "top_ops": top[:12]}
+
+
+def _split_probe(conv, local_shape, repeats: int) -> dict:
+    """On one rank: its step on its halo'd block (ghosts one cell deep, as the
+    conv rule gathers them) as one conv, against the interior (outputs that read
+    no ghost cell) and the two boundary slabs along the sharded dim computed
+    separately and joined, forward only and forward + backward."""
+    nsp = len(local_shape) - 2
+    conv_fn = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}[nsp]
+    b = local_shape[SHARDED_DIM]
+    cells = torch.randn([local_shape[0], local_shape[1]] + [s + 2 for s in local_shape[2:]],
+                        requires_grad=True)
+    w, bias = conv.weight.detach().requires_grad_(), conv.bias.detach().requires_grad_()
+
+    def whole():
+        return conv_fn(cells, w, bias)
+
+    def split():
+        inner = conv_fn(cells.narrow(SHARDED_DIM, 1, b), w, bias)  # outputs 1 .. b-2
+        lo = conv_fn(cells.narrow(SHARDED_DIM, 0, 3), w, bias)     # output 0
+        hi = conv_fn(cells.narrow(SHARDED_DIM, b - 1, 3), w, bias)  # output b-1
+        return torch.cat([lo, inner, hi], SHARDED_DIM)
+
+    with torch.no_grad():
+        torch.testing.assert_close(split(), whole())  # the split computes the same
+
+    def timed(fn, backward):
+        for t in (cells, w, bias):
+            t.grad = None
+        t0 = time.perf_counter()
+        if backward:
+            fn().mean().backward()
+        else:
+            with torch.no_grad():
+                fn()
+        return time.perf_counter() - t0
+
+    samples = {k: [] for k in ("whole_forward", "split_forward", "whole_step", "split_step")}
+    for _ in range(repeats):
+        for backward, suffix in ((False, "forward"), (True, "step")):
+            samples[f"whole_{suffix}"].append(timed(whole, backward))
+            samples[f"split_{suffix}"].append(timed(split, backward))
+    return {"median_s": {k: statistics.median(v) for k, v in samples.items()},
+            "samples_s": samples}
+
+
+def _time_worker(args) -> dict:
+    """Collective. The N-rank timing job."""
+    from ..comm import ProcessGrid, init
+    comm = init()
+    rank, size = comm.Get_rank(), comm.Get_size()
+    grid = ProcessGrid((size,))
+    _instrument()
+    say = print if rank == 0 else (lambda *a, **k: None)
+    report = {}
+    for name in args.cases:
+        factory, shape, _ = _spec(name, DEFAULT_UNET, DEFAULT_UNET_SHAPE, args.scale)
+        ranks_step, conv = _problem(factory, shape, grid, train=False)
+        single = _problem(factory, shape, None, train=False)[0] if rank == 0 else None
+        say(f"{name} {shape}: warming up", flush=True)
+        ranks_step()
+        _settle_exchanges()
+        ranks_step()
+        _time_one_process(comm, single)
+        samples = {"ranks": [], "one_process": []}
+        for i in range(args.repeats):
+            # alternate which goes first, so neither always follows the other
+            order = ("ranks", "one_process") if i % 2 == 0 else ("one_process", "ranks")
+            for path in order:
+                samples[path].append(_time_ranks(comm, ranks_step) if path == "ranks"
+                                     else _time_one_process(comm, single))
+            say(f"  {i + 1}/{args.repeats}: {size} ranks {samples['ranks'][-1]['wall']:.3f} s, "
+                f"one process {samples['one_process'][-1]['wall']:.3f} s", flush=True)
+        say(f"{name}: profiling one step of each, then the interior/boundary split", flush=True)
+        profiles = {"ranks": _profile(comm, ranks_step, collective=True),
+                    "one_process": _profile(comm, single, collective=False)}
+        from ..comm import Decomposition
+        local_shape = Decomposition(shape, grid, {SHARDED_DIM: 0}).local_shape()
+        probe = _on_rank0(comm, lambda: _split_probe(conv, local_shape, args.probe_repeats))
+        report[name] = {"shape": list(shape), "local_shape": list(local_shape),
+                        "samples": samples, "profile": profiles, "split_probe": probe}
+    return report
+
+
+# -- memory -------------------------------------------------------------------------------------
+def _status_kib(field: str) -> int | None:
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1])
+    except OSError:
+        pass
+    return None
+
+
+def _reset_peak() -> bool:
+    """Reset the kernel's high-water mark of this process's RSS (Linux >= 4.0)."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def _trim() -> None:
+    """Hand memory that the C allocator keeps after frees back to the system."""
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
+def _memory_worker(args) -> dict:
+    """Collective. Peak RSS of one step above the import baseline, in this fresh
+    process: 1 rank runs plain torch on the whole input, N ranks domainpar.
+
+    The baseline is the RSS after the imports, MPI's start and the same step on
+    a tiny input (libraries and kernels that load on first use count as import
+    cost, not as the step's). Then the kernel's high-water mark is reset, the
+    full-size model and input are built and the step runs (twice for a training
+    step: the second has the optimizer's state); the high-water mark minus the
+    baseline is the step's peak.
+    """
+    import resource
+
+    import domainpar as dp  # noqa: F401  (loads the op rules before the baseline)
+    from ..comm import ProcessGrid, init
+    comm = init()
+    size = comm.Get_size()
+    grid = None if size == 1 else ProcessGrid((size,))
+    after_import = _status_kib("VmRSS")
+    factory, shape, train = _spec(args.what, args.unet, args.unet_shape, args.scale)
+    tiny = tuple(shape[:2]) + (8 * size,) + (8,) * (len(shape) - 3)
+    _problem(factory, tiny, grid, train)[0]()
+    _trim()
+    baseline = _status_kib("VmRSS")
+    exact = _reset_peak()
+    before_max = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    step, _ = _problem(factory, shape, grid, train)
+    for _ in range(2 if train else 1):
+        step()
+    if exact:
+        peak = _status_kib("VmHWM")
+    else:  # ru_maxrss (KiB on Linux) only rises: a lower bound when it was higher before
+        peak = max(baseline, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
+        peak = peak if peak > before_max else baseline
+    mine = {"after_import_kib": after_import, "baseline_kib": baseline, "peak_kib": peak,
+            "peak_above_baseline_kib": peak - baseline,
+            "method": "VmHWM after clear_refs" if exact else "ru_maxrss"}
+    return {"what": args.what, "ranks": size, "shape": list(shape),
+            "per_rank": comm.allgather(mine)}
+
+
+# -- the launcher -------------------------------------------------------------------------------
+# The allocators the memory jobs run under. glibc's malloc raises its mmap
+# threshold after the first large free, and from then on serves big tensors from
+# its heap, which keeps freed memory resident: RSS then depends on the order of
+# allocations as much as on what is alive. A fixed threshold gives every tensor
+# over 128 KiB its own mapping, returned on free, so RSS follows live memory.
+ALLOCATORS = {"default_malloc": {},
+              "fixed_mmap_threshold": {"MALLOC_MMAP_THRESHOLD_": str(128 * 1024)}}
+
+
+def _launch(nprocs: int, worker_args: list[str], result: Path, env: dict | None = None) -> dict:
+    from ..cli import mpiexec_env, mpiexec_path
+    cmd = [mpiexec_path(), "-n", str(nprocs), sys.executable, "-m", "domainpar.bench.conv",
+           *worker_args, "--result", str(result)]
+    code = subprocess.call(cmd, env={**mpiexec_env(), **(env or {})})
+    if code != 0:
+        raise SystemExit(f"domainpar bench conv: worker failed (exit {code}): {' '.join(cmd)}")
+    return json.loads(result.read_text())
+
+
+def _median(values):
+    return statistics.median(values)
+
+
+def run(nprocs: int = 2, cases=("conv3d", "conv2d"), repeats: int = 7, memory_repeats: int = 2,
+        probe_repeats: int = 5, unet: str = DEFAULT_UNET, unet_shape=DEFAULT_UNET_SHAPE,
+        scale: float = 1.0, out: str = "bench-out/conv.json", log=print) -> dict:
+    """Launch the timing and memory jobs, print a summary, write JSON to ``out``."""
+    if nprocs < 2:
+        raise SystemExit("domainpar bench conv compares N >= 2 ranks with one process: use -n 2 "
+                         "or more")
+    common = ["--scale", str(scale), "--unet", unet, "--unet-shape", *map(str, unet_shape)]
+    load = [os.getloadavg()]
+    with tempfile.TemporaryDirectory() as tmp:
+        log(f"domainpar bench conv: {', '.join(cases)} on {nprocs} ranks against one process, "
+            f"{repeats} steps each, interleaved (one {nprocs}-rank job)", flush=True)
+        timing = _launch(nprocs, ["--worker", "time", "--cases", *cases, "--repeats",
+                                  str(repeats), "--probe-repeats", str(probe_repeats), *common],
+                         Path(tmp) / "time.json")
+        whats = [*cases, "unet"]
+        log(f"peak memory: {len(whats)} steps x (1 process, {nprocs} ranks) x "
+            f"{len(ALLOCATORS)} allocator settings x {memory_repeats}, each in a fresh job",
+            flush=True)
+        memory_runs = {a: {w: {"1": [], str(nprocs): []} for w in whats} for a in ALLOCATORS}
+        for i in range(memory_repeats):
+            for what in whats:
+                for alloc, env in ALLOCATORS.items():
+                    for n in (1, nprocs):
+                        log(f"  [{i + 1}/{memory_repeats}] {what}, {alloc}, {n} rank(s)",
+                            flush=True)
+                        res = _launch(n, ["--worker", "memory", "--what", what, *common],
+                                      Path(tmp) / "memory.json", env)
+                        memory_runs[alloc][what][str(n)].append(res)
+        load.append(os.getloadavg())
+    report = {"benchmark": "conv", "ranks": nprocs, "host": platform.node(),
+              "cpus": os.cpu_count(), "loadavg_start_end": load, "torch": torch.__version__,
+              "torch_threads_per_rank": 1, "sharded_dim": SHARDED_DIM, "scale": scale,
+              "targets": {"speedup_conv3d": TARGET_SPEEDUP, "unet_memory_ratio": TARGET_MEMORY},
+              "cases": {}, "memory": {}}
+    for name, t in timing.items():
+        report["cases"][name] = _timing_summary(t)
+    for alloc, by_what in memory_runs.items():
+        report["memory"][alloc] = {w: _memory_summary(runs, nprocs) for w, runs in by_what.items()}
+    if "conv3d" in report["cases"] and scale == 1.0:
+        report["meets_speedup_target"] = \
+            report["cases"]["conv3d"]["speedup"] >= TARGET_SPEEDUP
+    report["meets_memory_target"] = {a: m["unet"]["ratio"] <= TARGET_MEMORY
+                                     for a, m in report["memory"].items()}
+    _print(report, log)
+    path = Path(out)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(report, indent=1))
+    log(f"JSON: {path}")
+    return report
+
+
+def _timing_summary(t: dict) -> dict:
+    ranks, single = t["samples"]["ranks"], t["samples"]["one_process"]
+    wall = _median([s["wall"] for s in ranks])
+    wall1 = _median([s["wall"] for s in single])
+    cpu, cpu1 = _median([s["cpu"] for s in ranks]), _median([s["cpu"] for s in single])
+    # Exposed: the most any rank spent in exchanges (its waits for neighbours
+    # included); cost: per exchange, the least any rank spent (see _time_ranks).
+    exchange = _median([max(s["halo_exchange"]) for s in ranks])
+    exchange_min = _median([s["halo_exchange_cost"] for s in ranks])
+    functions = _median([max(s["halo_functions"]) for s in ranks])
+    probe = t["split_probe"]["median_s"]
+    return {
+        "shape": t["shape"], "local_shape": t["local_shape"],
+        "median_step_s": {"ranks": wall, "one_process": wall1},
+        "speedup": wall1 / wall,
+        "median_cpu_s": {"ranks": cpu, "one_process": cpu1}, "cpu_speedup": cpu1 / cpu,
+        "halo_exposed_s": {"exchange": exchange, "exchange_cost": exchange_min,
+                           "functions_with_copies": functions},
+        "halo_exposed_fraction": {"exchange": exchange / wall,
+                                  "exchange_cost": exchange_min / wall,
+                                  "functions_with_copies": functions / wall},
+        "split_probe": {**probe,
+                        "forward_overhead_s": probe["split_forward"] - probe["whole_forward"],
+                        "step_overhead_s": probe["split_step"] - probe["whole_step"],
+                        # overlap hides the exchange's own cost, not a wait for a
+                        # late neighbour (that rank's delay ends the step anyway)
+                        "exchange_it_could_hide_s": exchange_min},
+        "profile": t["profile"], "samples": t["samples"],
+        "split_probe_samples_s": t["split_probe"]["samples_s"],
+    }
+
+
+def _memory_summary(runs: dict, nprocs: int) -> dict:
+    one = [r["per_rank"][0]["peak_above_baseline_kib"] for r in runs["1"]]
+    per_rank = [max(p["peak_above_baseline_kib"] for p in r["per_rank"])
+                for r in runs[str(nprocs)]]
+    m1, mn = _median(one), _median(per_rank)
+    return {"shape": runs["1"][0]["shape"],
+            "peak_above_baseline_mib": {"one_process": m1 / 1024, "per_rank": mn / 1024},
+            "ratio": mn / m1 if m1 else float("nan"),
+            "baseline_mib": {"one_process": _median([r["per_rank"][0]["baseline_kib"]
+                                                     for r in runs["1"]]) / 1024,
+                             "per_rank": _median([max(p["baseline_kib"] for p in r["per_rank"])
+                                                  for r in runs[str(nprocs)]]) / 1024},
+            "method": runs["1"][0]["per_rank"][0]["method"], "runs": runs}
+
+
+def _print(report: dict, log) -> None:
+    n = report["ranks"]
+    log(f"\n{'case':<8} {'1 proc s':>9} {f'{n} ranks s':>10} {'speedup':>8} {'cpu speedup':>11} "
+        f"{'halo exposed ms':>20} {'+copies':>8} {'split overhead ms':>19}")
+    log(f"{'':<50} {'(cost-exposed)':>20} {'':>8} {'(forward/step)':>19}")
+    for name, c in report["cases"].items():
+        m, h, p = c["median_step_s"], c["halo_exposed_s"], c["split_probe"]
+        log(f"{name:<8} {m['one_process']:9.3f} {m['ranks']:10.3f} {c['speedup']:8.2f} "
+            f"{c['cpu_speedup']:11.2f} {h['exchange_cost'] * 1e3:10.2f}-"
+            f"{h['exchange'] * 1e3:.2f} ms {h['functions_with_copies'] * 1e3:5.1f} ms "
+            f"{p['forward_overhead_s'] * 1e3:+10.1f}/{p['step_overhead_s'] * 1e3:+.1f}")
+        kinds = c["profile"]["ranks"]["self_ms_by_kind"]
+        log("         profile, rank 0 of the N-rank step (self ms): "
+            + ", ".join(f"{k} {v:.0f}" for k, v in kinds.items()))
+        kinds = c["profile"]["one_process"]["self_ms_by_kind"]
+        log("         profile, one process (self ms):              "
+            + ", ".join(f"{k} {v:.0f}" for k, v in kinds.items()))
+    log(f"\n{'peak above import baseline':<38} {'1 proc MiB':>10} {'per rank MiB':>12} "
+        f"{'ratio':>6}")
+    for alloc, by_what in report["memory"].items():
+        for what, m in by_what.items():
+            v = m["peak_above_baseline_mib"]
+            log(f"{what + ', ' + alloc:<38} {v['one_process']:10.1f} {v['per_rank']:12.1f} "
+                f"{m['ratio']:6.3f}")
+    memory = ", ".join(f"{'met' if ok else 'MISSED'} ({a})"
+                       for a, ok in report["meets_memory_target"].items())
+    speed = ""
+    if "meets_speedup_target" in report:
+        speed = (f"conv3d speedup >= {TARGET_SPEEDUP}: "
+                 f"{'met' if report['meets_speedup_target'] else 'MISSED'}; ")
+    log(f"targets: {speed}UNet memory ratio <= {TARGET_MEMORY}: {memory}. Load average "
+        f"{report['loadavg_start_end'][0][0]:.1f} at the start, {report['cpus']} CPUs.")
+
+
+# -- worker entry point -------------------------------------------------------------------------
+def _worker_main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description="internal: a job of `domainpar bench conv`")
+    parser.add_argument("--worker", choices=("time", "memory"), required=True)
+    parser.add_argument("--cases", nargs="+", default=list(CASES))
+    parser.add_argument("--what")
+    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--probe-repeats", type=int, default=5)
+    parser.add_argument("--unet", default=DEFAULT_UNET)
+    parser.add_argument("--unet-shape", type=int, nargs="+", default=list(DEFAULT_UNET_SHAPE))
+    parser.add_argument("--scale", type=float, default=1.0)
+    parser.add_argument("--result", required=True)
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)
+    result = _time_worker(args) if args.worker == "time" else _memory_worker(args)
+    from mpi4py import MPI
+    if MPI.COMM_WORLD.Get_rank() == 0:
+        Path(args.result).write_text(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(_worker_main())
