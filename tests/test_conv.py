@@ -248,3 +248,24 @@ def test_the_sample_covers_every_option():
     assert seen[0] == {"1", "2", "3"} and seen[6] == {"0", "1", "2"}  # dims, output_padding
     assert seen[2] == {"1", "2", "3"} and seen[3] == {"1", "2"} and seen[4] == {"1", "2", "4"}
     assert any(0 in c[-1] for c in convs) and any(0 in c[-1] for c in transposed)  # batch cut
+
+
+@pytest.mark.parametrize("transposed", (False, True))
+def test_blocks_take_onednn_where_torch_would_take_im2col(transposed):
+    """float32 3-D blocks too thin for torch's oneDNN size rule are handed to it with
+    their spatial dims reordered (conv.local_conv): same numbers as one process."""
+    from domainpar.ops.conv import _onednn_order
+    shape = (1, 8, 12, 16, 170)  # 8*12*16 <= 20480 < 8*170*16
+    grid, shard, sizes = layout(shape, (2,), 1, "uneven")
+    torch.manual_seed(1)
+    model = (nn.ConvTranspose3d(8, 2, 3, stride=2, padding=1, output_padding=1) if transposed
+             else nn.Conv3d(8, 3, 3, padding=1))
+    x = global_tensor(shape, torch.float32, seed=2)
+    block = shard_like(x, grid, shard, sizes).to_local().shape
+    if not transposed:  # the sharded block is cut by ghost cells: 2 more along dim 2
+        block = (1, 8, block[2] + 2, 16, 170)
+    args = ((2, 2, 2), (1, 1, 1), (1, 1, 1), 1, (1, 1, 1)) if transposed else \
+        ((1, 1, 1), (0, 1, 1), (1, 1, 1), 1, ())
+    w_shape = tuple(model.weight.shape)
+    assert _onednn_order(tuple(block), torch.float32, "cpu", w_shape, *args) == (2, 1, 0)
+    assert_matches_single_process(model, x, grid, shard, sizes=sizes)
