@@ -118,6 +118,11 @@ def _add_nprocs(parser: argparse.ArgumentParser) -> None:
                              "launcher (default 2)")
 
 
+def _ops(args) -> int:
+    from .ops import table
+    return table.main(["--write", args.write] if args.write else [])
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="domainpar",
                                      description="Domain parallelism for scientific ML on MPI.")
@@ -126,6 +131,14 @@ def build_parser() -> argparse.ArgumentParser:
                                        "native kernels")
     info.add_argument("--json", action="store_true", help="print the report as JSON")
     info.set_defaults(run=_info, nprocs=1)
+
+    ops = sub.add_parser("ops", help="the table of torch ops that work on DomainTensors",
+                         description="Print the table of torch ops that work on DomainTensors "
+                         "(Markdown), generated from the dispatch table, or rewrite it in a "
+                         "file between its markers.")
+    ops.add_argument("--write", metavar="FILE",
+                     help="replace the table between the op-table markers in FILE (README.md)")
+    ops.set_defaults(run=_ops, nprocs=1)
 
     bench = sub.add_parser("bench", help="benchmarks (JSON out)")
     bench_sub = bench.add_subparsers(dest="benchmark", required=True)

@@ -20,3 +20,16 @@ def test_every_family_has_rows_with_semantics():
     assert not blank, f"rules without a docstring: {blank}"
     conv = [s for f, ops, s in rows if "`conv2d`" in ops]
     assert conv and conv[0].startswith("Neighbour-wise collective")
+
+
+def test_cli_prints_the_table_and_rewrites_a_file(tmp_path):
+    import subprocess
+    import sys
+    out = subprocess.run([sys.executable, "-m", "domainpar.cli", "ops"], capture_output=True,
+                         text=True, check=True).stdout
+    assert out.strip() == table.markdown()
+    stale = tmp_path / "README.md"
+    stale.write_text(f"intro\n{table.BEGIN}\nold rows\n{table.END}\nrest\n", encoding="utf-8")
+    subprocess.run([sys.executable, "-m", "domainpar.cli", "ops", "--write", str(stale)],
+                   check=True)
+    assert stale.read_text(encoding="utf-8") == f"intro\n{table.markdown()}\nrest\n"
