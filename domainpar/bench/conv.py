@@ -427,7 +427,8 @@ def _memory_worker(args) -> dict:
     grid = None if size == 1 else ProcessGrid((size,))
     after_import = _status_kib("VmRSS")
     factory, shape, train = _spec(args.what, args.unet, args.unet_shape, args.scale)
-    tiny = tuple(shape[:2]) + (8 * size,) + (8,) * (len(shape) - 3)
+    # 16 cells per dim: a 4-level UNet still has 2 per dim (BatchNorm needs 2 values) at the bottom
+    tiny = tuple(shape[:2]) + (16 * size,) + (16,) * (len(shape) - 3)
     _problem(factory, tiny, grid, train)[0]()
     _trim()
     baseline = _status_kib("VmRSS")
