@@ -149,11 +149,13 @@ class HaloConv(torch.autograd.Function):
     """Neighbour-wise collective. A conv of this rank's cells: its block with ghost
     cells filled by ``halo`` (zero outside the domain), in one Function.
 
-    The same as ``window.gather`` then torch's conv, with fewer copies: forward
-    writes the block once into the padded buffer, and backward accumulates the
-    ghost gradients in place into the buffer the conv's backward has just made
-    (ours alone, so in-place is safe), where the composed version makes a padded
-    copy in each direction. Saves only the padded buffer, as the conv would.
+    The same as ``window.gather`` then torch's conv, with less memory. Forward
+    writes the block once into a padded buffer and frees it after the conv; it
+    saves the block and the (thin) ghost slabs, and backward rebuilds the buffer
+    from them. The block is what one process's conv saves, and it is alive
+    anyway while the model's forward holds it; saving the padded copy instead
+    would hold both. Backward accumulates the ghost gradients in place into the
+    buffer the conv's backward has just made (ours alone, so in place is safe).
     """
 
     @staticmethod
@@ -162,24 +164,29 @@ class HaloConv(torch.autograd.Function):
         padded = _padded_block(block, widths)
         if halo is not None:
             halo.fill(to_array(padded), check=False)
-        cells = padded
-        for d, (start, length) in spec.windows:
-            if (start, length) != (0, cells.shape[d]):
-                cells = cells.narrow(d, start, length)
+        cells = _cells(padded, spec)
         if 0 in spec.out_shape[2:]:
             out = block.new_zeros(spec.out_shape)
         else:
             out = local_conv(spec.func, cells, weight, bias, spec.stride, spec.padding,
                              spec.dilation, spec.groups)
-        ctx.save_for_backward(cells, weight)
+        ctx.slabs = [(d, start, padded.narrow(d, start, size).clone())
+                     for d, (lo, hi) in widths.items()
+                     for start, size in ((0, lo), (lo + block.shape[d], hi)) if size]
+        ctx.save_for_backward(block, weight)
         ctx.halo, ctx.spec, ctx.has_bias = halo, spec, bias is not None
         ctx.padded_shape, ctx.block_shape = tuple(padded.shape), tuple(block.shape)
         return out
 
     @staticmethod
     def backward(ctx, grad):
-        cells, weight = ctx.saved_tensors
+        block, weight = ctx.saved_tensors
         spec = ctx.spec
+        padded = _padded_block(block, dict(spec.widths))
+        for d, start, slab in ctx.slabs:  # slabs overlap at corners, with equal values
+            padded.narrow(d, start, slab.shape[d]).copy_(slab)
+        cells = _cells(padded, spec)
+        del padded
         need_in, need_w, need_b = ctx.needs_input_grad[:3]
         if 0 in spec.out_shape[2:]:
             g_cells = cells.new_zeros(cells.shape) if need_in else None
@@ -206,8 +213,19 @@ class HaloConv(torch.autograd.Function):
         return g_block, g_w, g_b, None, None
 
 
+def _cells(padded: torch.Tensor, spec: _ConvSpec) -> torch.Tensor:
+    """The part of the padded block this rank's outputs read (a view)."""
+    for d, (start, length) in spec.windows:
+        if (start, length) != (0, padded.shape[d]):
+            padded = padded.narrow(d, start, length)
+    return padded
+
+
 def _padded_block(block: torch.Tensor, widths: dict) -> torch.Tensor:
-    """``block`` copied into a new buffer with ``widths`` zero ghost cells per dim."""
+    """``block`` copied into a new buffer with ``widths`` zero ghost cells per dim
+    (``block`` itself when there are none)."""
+    if not any(lo or hi for lo, hi in widths.values()):
+        return block
     shape = [n + sum(widths.get(d, (0, 0))) for d, n in enumerate(block.shape)]
     padded = block.new_empty(shape)
     inner = padded
