@@ -407,6 +407,21 @@ def _trim() -> None:
         pass
 
 
+def _live_tensor_peak_kib(step) -> float:
+    """The most memory torch's allocator had live during ``step``, from the
+    profiler's allocation and free records: what the activations, gradients and
+    buffers need, without the allocator's and libraries' own resident pages (which
+    RSS counts, and which make RSS about twice this for the UNet step here)."""
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        step()
+    live = peak = 0
+    for event in sorted(prof.events(), key=lambda e: e.time_range.start):
+        live += event.self_cpu_memory_usage
+        peak = max(peak, live)
+    return peak / 1024
+
+
 def _memory_worker(args) -> dict:
     """Collective. Peak RSS of one step above the import baseline, in this fresh
     process: 1 rank runs plain torch on the whole input, N ranks domainpar.
@@ -444,7 +459,8 @@ def _memory_worker(args) -> dict:
         peak = peak if peak > before_max else baseline
     mine = {"after_import_kib": after_import, "baseline_kib": baseline, "peak_kib": peak,
             "peak_above_baseline_kib": peak - baseline,
-            "method": "VmHWM after clear_refs" if exact else "ru_maxrss"}
+            "method": "VmHWM after clear_refs" if exact else "ru_maxrss",
+            "live_tensor_peak_kib": _live_tensor_peak_kib(step)}
     return {"what": args.what, "ranks": size, "shape": list(shape),
             "per_rank": comm.allgather(mine)}
 
@@ -562,6 +578,9 @@ def _memory_summary(runs: dict, nprocs: int) -> dict:
     per_rank = [max(p["peak_above_baseline_kib"] for p in r["per_rank"])
                 for r in runs[str(nprocs)]]
     m1, mn = _median(one), _median(per_rank)
+    live1 = _median([r["per_rank"][0]["live_tensor_peak_kib"] for r in runs["1"]])
+    liven = _median([max(p["live_tensor_peak_kib"] for p in r["per_rank"])
+                     for r in runs[str(nprocs)]])
     return {"shape": runs["1"][0]["shape"],
             "peak_above_baseline_mib": {"one_process": m1 / 1024, "per_rank": mn / 1024},
             "ratio": mn / m1 if m1 else float("nan"),
@@ -569,6 +588,8 @@ def _memory_summary(runs: dict, nprocs: int) -> dict:
                                                      for r in runs["1"]]) / 1024,
                              "per_rank": _median([max(p["baseline_kib"] for p in r["per_rank"])
                                                   for r in runs[str(nprocs)]]) / 1024},
+            "live_tensor_peak_mib": {"one_process": live1 / 1024, "per_rank": liven / 1024},
+            "live_tensor_ratio": liven / live1 if live1 else float("nan"),
             "method": runs["1"][0]["per_rank"][0]["method"], "runs": runs}
 
 
@@ -596,6 +617,10 @@ def _print(report: dict, log) -> None:
             v = m["peak_above_baseline_mib"]
             log(f"{what + ', ' + alloc:<38} {v['one_process']:10.1f} {v['per_rank']:12.1f} "
                 f"{m['ratio']:6.3f}")
+    for what, m in next(iter(report["memory"].values())).items():
+        v = m["live_tensor_peak_mib"]
+        log(f"{what + ', live tensors (profiler)':<38} {v['one_process']:10.1f} "
+            f"{v['per_rank']:12.1f} {m['live_tensor_ratio']:6.3f}")
     memory = ", ".join(f"{'met' if ok else 'MISSED'} ({a})"
                        for a, ok in report["meets_memory_target"].items())
     speed = ""
