@@ -17,6 +17,9 @@ Weight and bias are replicated: they enter every block's computation through
 (or DomainParallel's deferred, bucketed sum). torch itself validates the
 arguments first, on the meta device with the global shapes, so bad input gets
 torch's own error on every rank before any message is sent.
+
+Refused (UnsupportedOpError on every rank): the channel dim sharded; an
+unbatched input; a DomainTensor as weight or bias.
 """
 from __future__ import annotations
 
