@@ -15,7 +15,6 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-import domainpar as dp
 from domainpar.testing import adjoint_test, assert_matches_single_process, shard_like
 from tensor_cases import SIZE, global_tensor, layout, raises_everywhere
 
