@@ -12,12 +12,15 @@ registered here receives the partial gradient and reduces it later, bucketed.
 from __future__ import annotations
 
 import contextvars
+import weakref
+import zlib
 from typing import Callable, Mapping
 
 import torch
 
 from .. import autograd as ag
 from ..comm.decomposition import Decomposition
+from ..comm.errors import agree, signature_of
 from . import layout
 
 # The active deferrer: ``deferrer(tensor, comm)`` returns the callable that
@@ -34,12 +37,45 @@ def reset_deferrer(token: contextvars.Token) -> None:
     _DEFERRER.reset(token)
 
 
+# Tensors already found equal on every rank (id -> tensor, weakly): each is checked once.
+_CHECKED: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+
+
+def check_replicated(p: torch.Tensor, comm) -> None:
+    """Collective over ``comm``, the first time it sees ``p``. Raise the same
+    MismatchError on every rank if ``p``, which every rank must hold alike,
+    differs between ranks.
+
+    A replicated tensor that differs silently gives wrong numbers, and the usual
+    cause is quiet: torch seeds every process differently, so a model built on
+    each rank without a common seed, and not wrapped in DomainParallel (which
+    broadcasts rank 0's parameters), has other weights on every rank. Costs one
+    small allreduce per tensor, once (gradients are summed over the ranks, so
+    optimizer steps keep replicated parameters equal).
+    """
+    if comm.Get_size() == 1 or _CHECKED.get(id(p)) is p:
+        return
+    data = p.detach().reshape(-1)
+    data = (data.cpu() if data.device.type != "cpu" else data).contiguous()
+    digest = zlib.crc32(data.view(torch.uint8).numpy().tobytes()) & 0x7FFFFFFF if data.numel() \
+        else 0
+    agree(comm, None, signature=signature_of(tuple(p.shape), str(p.dtype), digest),
+          what=(f"the values of a replicated {tuple(p.shape)} {p.dtype} tensor (a parameter, "
+                f"mask or field used with DomainTensors; torch seeds every process "
+                f"differently: seed every rank alike, or wrap the model in "
+                f"dp.DomainParallel, which broadcasts rank 0's parameters)"),
+          described=f"checksum {digest}")
+    _CHECKED[id(p)] = p
+
+
 def enter_domain(p: torch.Tensor, out_dec: Decomposition, sliced: Mapping[int, int]) -> torch.Tensor:
     """This rank's share of the replicated tensor ``p`` in an op whose output is laid
     out by ``out_dec``: ``p`` cut along its dims ``sliced`` (``{p_dim: out_dim}``,
     dims of equal global size) to the output's blocks, broadcast along the others.
+    Collective the first time it sees ``p`` (``check_replicated``).
     """
     grid = out_dec.grid
+    check_replicated(p, grid.comm)
     slices = [slice(None)] * p.ndim
     p_shard, p_sizes = {}, {}
     for pd, od in sliced.items():

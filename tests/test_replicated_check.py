@@ -1,0 +1,74 @@
+"""Replicated tensors (parameters, masks, fields) must hold the same values on
+every rank; domainpar checks each once, when it first enters an op on
+DomainTensors, and raises the same error on every rank when they differ."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+from mpi4py import MPI
+
+import domainpar as dp
+from domainpar.testing import shard_like
+from tensor_cases import SIZE, global_tensor
+
+pytestmark = pytest.mark.mpi
+
+COMM = MPI.COMM_WORLD
+
+
+def _x():
+    grid = dp.ProcessGrid((SIZE,))
+    return grid, shard_like(global_tensor((1, 2, 8, 6)), grid, {2: 0}, requires_grad=True)
+
+
+def _per_rank_conv():
+    torch.manual_seed(100 + COMM.Get_rank())  # a different model on every rank
+    return nn.Conv2d(2, 2, 3, padding=1).double()
+
+
+def _raised_everywhere(fn) -> list:
+    try:
+        fn()
+        message = None
+    except dp.MismatchError as exc:
+        message = str(exc)
+    return COMM.allgather(message)
+
+
+def test_parameters_that_differ_between_ranks_raise_on_every_rank():
+    _, x = _x()
+    conv = _per_rank_conv()
+    stories = _raised_everywhere(lambda: conv(x))
+    if SIZE == 1:
+        assert stories == [None]
+    else:
+        assert all(s is not None for s in stories), stories
+        assert "differ between ranks" in stories[0] and "DomainParallel" in stories[0]
+
+
+def test_a_mask_that_differs_between_ranks_raises():
+    _, x = _x()
+    mask = torch.full((6,), float(COMM.Get_rank()), dtype=torch.float64)
+    stories = _raised_everywhere(lambda: x * mask)
+    assert (stories == [None]) if SIZE == 1 else all(s is not None for s in stories)
+
+
+def test_domain_parallel_makes_them_equal():
+    grid, x = _x()
+    model = dp.DomainParallel(_per_rank_conv(), grid)  # broadcasts rank 0's parameters
+    model(x).sum().backward()
+    weight = model.module.weight if hasattr(model, "module") else model.weight
+    assert all(torch.equal(weight, w) for w in COMM.allgather(weight.detach()))
+
+
+def test_equal_values_pass_and_are_checked_once(monkeypatch):
+    _, x = _x()
+    torch.manual_seed(0)
+    conv = nn.Conv2d(2, 2, 3, padding=1).double()
+    conv(x)
+    from domainpar.tensor import params
+    calls = []
+    monkeypatch.setattr(params, "agree", lambda *a, **k: calls.append(a))
+    conv(x)
+    assert calls == []  # the weight and bias were checked on the first call
