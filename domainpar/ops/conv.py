@@ -1,9 +1,10 @@
 """Convolutions and transposed convolutions, 1-, 2- and 3-D, on inputs sharded
 along the batch dim and any spatial dims.
 
-- conv: every rank gathers the input cells its outputs read (``window.gather``:
-  a halo fill, zero padding outside the domain, also on a periodic grid), then
-  runs torch's conv with no padding on them. Output layout: ``window.sliding``.
+- conv: every rank fills ghost cells around its block (a halo fill, zero
+  padding outside the domain, also on a periodic grid) and runs torch's conv on
+  the cells its outputs read, in one Function (``HaloConv``) that saves only
+  the block and the ghost slabs. Output layout: ``window.sliding``.
   ``padding_mode`` other than zeros reaches us as ``F.pad`` (nn.ConvNd pads
   first), which has its own rule.
 - conv_transpose: the adjoint of a conv. Every rank runs torch's transposed conv
