@@ -70,10 +70,17 @@ def check_operands(func, x, weight, bias, nsp: int) -> None:
             f"redistribute so that channels are whole on every rank")
 
 
-def _out_layout(x: DomainTensor, out_shape, plans):
-    dec = x._dec
-    sizes = {d: (plans[d].out_sizes if d in plans else dec.block_sizes(d)) for d in dec.shard}
-    return layout.derive(dec, out_shape, dec.shard, sizes)
+def _enter(weight, bias, out_dec):
+    """Weight and bias entering every block's computation (gradients summed)."""
+    return (enter_domain(weight, out_dec, {}),
+            None if bias is None else enter_domain(bias, out_dec, {}))
+
+
+def _whole_blocks(func, x: DomainTensor, weight, bias, out_shape, *options):
+    """Local: no spatial dim is sharded, so torch's op runs on the block as it is."""
+    out_dec = window.out_layout(x._dec, out_shape)
+    w, b = _enter(weight, bias, out_dec)
+    return DomainTensor(func(x._local, w, b, *options), out_dec)
 
 
 def _padding(padding, kernel, dilation, nsp):
@@ -107,11 +114,8 @@ def conv(func, args, kwargs):
     dec = x._dec
     spatial = [d for d in range(2, x.ndim) if d in dec.shard]
     if not spatial:
-        out_dec = _out_layout(x, out_shape, {})
-        w = enter_domain(weight, out_dec, {})
-        b = None if bias is None else enter_domain(bias, out_dec, {})
-        return DomainTensor(func(x._local, w, b, a["stride"], a["padding"], a["dilation"],
-                                 a["groups"]), out_dec)
+        return _whole_blocks(func, x, weight, bias, out_shape, a["stride"], a["padding"],
+                             a["dilation"], a["groups"])
 
     kernel = tuple(weight.shape[2:])
     pads = _padding(a["padding"], kernel, dilation, nsp)
@@ -123,9 +127,8 @@ def conv(func, args, kwargs):
             torch_pads.append(0)
         else:  # a whole dim with symmetric padding: torch pads it, cheaper in backward
             torch_pads.append(pads[i][0])
-    out_dec = _out_layout(x, out_shape, plans)
-    w = enter_domain(weight, out_dec, {})
-    b = None if bias is None else enter_domain(bias, out_dec, {})
+    out_dec = window.out_layout(dec, out_shape, plans)
+    w, b = _enter(weight, bias, out_dec)
     widths = {d: (p.lo, p.hi) for d, p in plans.items() if p.lo or p.hi}
     halo = None
     if any(d in dec.shard for d in widths):
@@ -379,11 +382,8 @@ def conv_transpose(func, args, kwargs):
     dec = x._dec
     spatial = [d for d in range(2, x.ndim) if d in dec.shard]
     if not spatial:
-        out_dec = _out_layout(x, out_shape, {})
-        w = enter_domain(weight, out_dec, {})
-        b = None if bias is None else enter_domain(bias, out_dec, {})
-        return DomainTensor(func(x._local, w, b, a["stride"], a["padding"], a["output_padding"],
-                                 a["groups"], a["dilation"]), out_dec)
+        return _whole_blocks(func, x, weight, bias, out_shape, a["stride"], a["padding"],
+                             a["output_padding"], a["groups"], a["dilation"])
 
     stride, dilation = _tuple(a["stride"], nsp), _tuple(a["dilation"], nsp)
     padding, out_pad = list(_tuple(a["padding"], nsp)), list(_tuple(a["output_padding"], nsp))
@@ -394,9 +394,8 @@ def conv_transpose(func, args, kwargs):
             plans[d] = transposed_plan(x.shape[d], dec.block_sizes(d), out_shape[d], kernel[i],
                                         stride[i], dilation[i], padding[i])
             padding[i] = out_pad[i] = 0  # the sharded dims are cut to size below
-    out_dec = _out_layout(x, out_shape, plans)
-    w = enter_domain(weight, out_dec, {})
-    b = None if bias is None else enter_domain(bias, out_dec, {})
+    out_dec = window.out_layout(dec, out_shape, plans)
+    w, b = _enter(weight, bias, out_dec)
 
     # This rank's contributions, placed in its output block padded by the spill widths.
     local = x._local

@@ -95,7 +95,7 @@ def pad(func, args, kwargs):
                                                         else 0)
                           for k, s in enumerate(dec.block_sizes(d)))
                  for d, (lo, hi) in sharded.items()}
-        return DomainTensor(out, _out_layout(dec, out_shape, sizes))
+        return DomainTensor(out, window.out_layout(dec, out_shape, sizes))
 
     unsharded = {d: p for d, p in pads.items() if d not in sharded}
     if any(p != (0, 0) for p in unsharded.values()):
@@ -107,10 +107,10 @@ def pad(func, args, kwargs):
             shape = [s if d in unsharded else local.shape[d] for d, s in enumerate(shape)]
             local = window.placeholder(shape, local, local)
     if not sharded:
-        return DomainTensor(local, _out_layout(dec, out_shape, {}))
-    stage = layout.derive(dec, tuple(out_shape[d] if d not in sharded else x.shape[d]
-                                     for d in range(x.ndim)),
-                          dec.shard, {d: dec.block_sizes(d) for d in dec.shard})
+        return DomainTensor(local, window.out_layout(dec, out_shape))
+    # the block padded along its unsharded dims, before the sharded ones
+    stage = window.out_layout(dec, tuple(out_shape[d] if d not in sharded else x.shape[d]
+                                         for d in range(x.ndim)))
     plans, sources = {}, {}
     for d, (lo, hi) in sharded.items():
         plans[d], sources[d] = _plan(mode, x.shape[d], dec.block_sizes(d), lo, hi)
@@ -122,10 +122,4 @@ def pad(func, args, kwargs):
         index = sources[d][o0:o0 + p.out_sizes[c]] - first
         if not (len(index) == cells.shape[d] and np.array_equal(index, np.arange(len(index)))):
             cells = cells.index_select(d, torch.as_tensor(index, device=cells.device))
-    return DomainTensor(cells, _out_layout(dec, out_shape,
-                                           {d: p.out_sizes for d, p in plans.items()}))
-
-
-def _out_layout(dec, out_shape, sizes):
-    return layout.derive(dec, out_shape, dec.shard,
-                         {d: sizes.get(d, dec.block_sizes(d)) for d in dec.shard})
+    return DomainTensor(cells, window.out_layout(dec, out_shape, plans))

@@ -92,13 +92,6 @@ def _lowest(dtype):
     return -math.inf if dtype.is_floating_point else torch.iinfo(dtype).min
 
 
-def _out_layout(dec, out_shape, plans):
-    """The input's sharding carried to the output; block sizes from ``plans``
-    along the pooled dims that have one."""
-    sizes = {d: (plans[d].out_sizes if d in plans else dec.block_sizes(d)) for d in dec.shard}
-    return layout.derive(dec, out_shape, dec.shard, sizes)
-
-
 def _empty(local_shape, *tensors) -> bool:
     # torch's pools refuse empty non-batch dims: empty blocks take the placeholder path
     return 0 in tuple(local_shape) or any(t.numel() == 0 for t in tensors)
@@ -133,7 +126,7 @@ def _sliding(x: DomainTensor, nsp: int, out_shape, kernel, stride, padding, dila
                                   kernel[i], stride[i], dilation[i], padding[i])
     cells = window.gather(x, plans, fill=fill)
     origins = [p.need[window.coordinate(dec, d)][0] for d, p in plans.items()]
-    return cells, _out_layout(dec, out_shape, plans), origins
+    return cells, window.out_layout(dec, out_shape, plans), origins
 
 
 def _sharded_spatial(x: DomainTensor, nsp: int) -> list[int]:
@@ -146,7 +139,7 @@ def max_pool(x: DomainTensor, nsp: int, kernel, stride, padding, dilation, ceil_
                                              ceil_mode)[0].shape)
     local = x._local
     if not _sharded_spatial(x, nsp):
-        out_dec = _out_layout(x._dec, out_shape, {})
+        out_dec = window.out_layout(x._dec, out_shape, {})
         if _empty(out_dec.local_shape(), local):
             out = window.placeholder(out_dec.local_shape(), local, local)
             return _result(out, out.detach().long(), out_dec, True)
@@ -196,7 +189,7 @@ def avg_pool(x: DomainTensor, nsp: int, kernel, stride, padding, ceil_mode: bool
                                 count_include_pad, *extra).shape)
     local = x._local
     if not _sharded_spatial(x, nsp):
-        out_dec = _out_layout(x._dec, out_shape, {})
+        out_dec = window.out_layout(x._dec, out_shape, {})
         if _empty(out_dec.local_shape(), local):
             return DomainTensor(window.placeholder(out_dec.local_shape(), local, local), out_dec)
         return DomainTensor(_AVG[nsp](local, kernel, stride, padding, ceil_mode,
@@ -349,7 +342,7 @@ def adaptive_pool(func, x: DomainTensor, nsp: int, output_size, kind: str, indic
     for d in _sharded_spatial(x, nsp):
         k = x.shape[d] // out_shape[d]
         plans[d] = window.sliding(x.shape[d], dec.block_sizes(d), out_shape[d], k, k, 1, 0)
-    out_dec = _out_layout(dec, out_shape, plans)
+    out_dec = window.out_layout(dec, out_shape, plans)
     cells = window.gather(x, plans) if plans else x._local
     local_shape = out_dec.local_shape()
     if _empty(local_shape, cells):

@@ -225,9 +225,7 @@ def interpolate(func, args, kwargs):
             f"redistribute so that channels are whole on every rank")
     spatial = [d for d in range(2, x.ndim) if d in dec.shard]
     if not spatial:
-        out_dec = layout.derive(dec, out_shape, dec.shard,
-                                {d: dec.block_sizes(d) for d in dec.shard})
-        return DomainTensor(func(x._local, **opts), out_dec)
+        return DomainTensor(func(x._local, **opts), window.out_layout(dec, out_shape))
     mode = a["mode"]
     if not (x.dtype.is_floating_point or mode in _SELECTING):
         raise UnsupportedOpError(
@@ -241,8 +239,7 @@ def interpolate(func, args, kwargs):
             f"row there (torch {torch.__version__}), so there is no reference to match")
     all_taps = dim_taps(x.shape, x.dtype, x.device, opts)
     plans = {d: _plan(t, window.block_sizes(dec, d)) for d, t in all_taps.items()}
-    sizes = {d: (plans[d].out_sizes if d in plans else dec.block_sizes(d)) for d in dec.shard}
-    out_dec = layout.derive(dec, out_shape, dec.shard, sizes)
+    out_dec = window.out_layout(dec, out_shape, plans)
 
     cells = window.gather(x, plans)
     # Shrinking dims first (the later passes then work on fewer cells), innermost

@@ -40,6 +40,7 @@ import torch.nn.functional as F
 from .. import autograd as ag
 from ..comm import HaloExchange
 from ..comm.decomposition import Decomposition
+from ..tensor import layout
 from ..tensor.domain_tensor import DomainTensor
 
 
@@ -122,6 +123,19 @@ def exchange(dec: Decomposition, widths: Mapping[int, tuple[int, int]],
     else:
         _EXCHANGES.move_to_end(key)
     return halo
+
+
+def out_layout(dec: Decomposition, out_shape: Sequence[int],
+               sizes: Mapping[int, "AxisPlan | Sequence[int]"] | None = None) -> Decomposition:
+    """A windowed op's output layout: the input's sharding carried over, with the
+    block sizes of ``sizes`` (``{dim: AxisPlan or block sizes}``) where given and
+    the input's elsewhere. Derived alike on every rank, no message."""
+    sizes = sizes or {}
+    blocks = {}
+    for d in dec.shard:
+        s = sizes.get(d, dec.block_sizes(d))
+        blocks[d] = s.out_sizes if isinstance(s, AxisPlan) else tuple(s)
+    return layout.derive(dec, out_shape, dec.shard, blocks)
 
 
 def coordinate(dec: Decomposition, dim: int) -> int:
