@@ -76,27 +76,33 @@ def _valid(make, nsp) -> bool:
         return False
 
 
-@pytest.mark.parametrize("case", _conv_cases(60), ids=lambda c: "-".join(map(str, c)))
-def test_conv_matches_one_process(case):
-    nsp, k, stride, dilation, groups, mode, padding, grid_ndim, kind, periodic, dims = case
+def _check(make, nsp, k, where, dtype, model_seed):
+    """``make(in_channels)`` in ``dtype`` on a ``SHAPES[nsp]`` input laid out by
+    ``where`` = (grid_ndim, kind, periodic, dims), against one process."""
+    grid_ndim, kind, periodic, dims = where
     shape = SHAPES[nsp]
     grid, shard, sizes = layout(shape, dims, grid_ndim, kind, seed=k, periodic=periodic)
-    torch.manual_seed(k + 7 * stride)
-    model = CONVS[nsp](shape[1], 4, k, stride=stride, padding=padding, dilation=dilation,
-                       groups=groups, padding_mode=mode).double()
-    assert_matches_single_process(model, global_tensor(shape, seed=k), grid, shard, sizes=sizes)
+    torch.manual_seed(model_seed)
+    model = make(shape[1]).to(dtype)
+    assert_matches_single_process(model, global_tensor(shape, dtype, seed=k), grid, shard,
+                                  sizes=sizes)
+
+
+def _conv(case, dtype, model_seed):
+    nsp, k, stride, dilation, groups, mode, padding = case[:7]
+    _check(lambda cin: CONVS[nsp](cin, 4, k, stride=stride, padding=padding, dilation=dilation,
+                                  groups=groups, padding_mode=mode),
+           nsp, k, case[7:], dtype, model_seed)
+
+
+@pytest.mark.parametrize("case", _conv_cases(60), ids=lambda c: "-".join(map(str, c)))
+def test_conv_matches_one_process(case):
+    _conv(case, torch.float64, model_seed=case[1] + 7 * case[2])
 
 
 @pytest.mark.parametrize("case", _conv_cases(12, seed=11), ids=lambda c: "-".join(map(str, c)))
 def test_conv_float32(case):
-    nsp, k, stride, dilation, groups, mode, padding, grid_ndim, kind, periodic, dims = case
-    shape = SHAPES[nsp]
-    grid, shard, sizes = layout(shape, dims, grid_ndim, kind, seed=k, periodic=periodic)
-    torch.manual_seed(k)
-    model = CONVS[nsp](shape[1], 4, k, stride=stride, padding=padding, dilation=dilation,
-                       groups=groups, padding_mode=mode)
-    assert_matches_single_process(model, global_tensor(shape, torch.float32, seed=k), grid,
-                                  shard, sizes=sizes)
+    _conv(case, torch.float32, model_seed=case[1])
 
 
 def _conv_t_cases(n: int, seed: int = 5):
@@ -121,27 +127,21 @@ def _conv_t_cases(n: int, seed: int = 5):
     return cases[:n]
 
 
+def _conv_t(case, dtype, model_seed):
+    nsp, k, stride, dilation, groups, padding, out_pad = case[:7]
+    _check(lambda cin: CONVS_T[nsp](cin, 4, k, stride=stride, padding=padding,
+                                    output_padding=out_pad, dilation=dilation, groups=groups),
+           nsp, k, case[7:], dtype, model_seed)
+
+
 @pytest.mark.parametrize("case", _conv_t_cases(50), ids=lambda c: "-".join(map(str, c)))
 def test_conv_transpose_matches_one_process(case):
-    nsp, k, stride, dilation, groups, padding, out_pad, grid_ndim, kind, periodic, dims = case
-    shape = SHAPES[nsp]
-    grid, shard, sizes = layout(shape, dims, grid_ndim, kind, seed=k, periodic=periodic)
-    torch.manual_seed(k + 5 * stride)
-    model = CONVS_T[nsp](shape[1], 4, k, stride=stride, padding=padding,
-                         output_padding=out_pad, dilation=dilation, groups=groups).double()
-    assert_matches_single_process(model, global_tensor(shape, seed=k), grid, shard, sizes=sizes)
+    _conv_t(case, torch.float64, model_seed=case[1] + 5 * case[2])
 
 
 @pytest.mark.parametrize("case", _conv_t_cases(10, seed=13), ids=lambda c: "-".join(map(str, c)))
 def test_conv_transpose_float32(case):
-    nsp, k, stride, dilation, groups, padding, out_pad, grid_ndim, kind, periodic, dims = case
-    shape = SHAPES[nsp]
-    grid, shard, sizes = layout(shape, dims, grid_ndim, kind, seed=k, periodic=periodic)
-    torch.manual_seed(k)
-    model = CONVS_T[nsp](shape[1], 4, k, stride=stride, padding=padding,
-                         output_padding=out_pad, dilation=dilation, groups=groups)
-    assert_matches_single_process(model, global_tensor(shape, torch.float32, seed=k), grid,
-                                  shard, sizes=sizes)
+    _conv_t(case, torch.float32, model_seed=case[1])
 
 
 @pytest.mark.parametrize("n", (62, 63, 64))

@@ -1,6 +1,5 @@
 """Runtime: init, abort on an uncaught exception, the capability report, the CLI."""
 import json
-import os
 import subprocess
 import sys
 import textwrap
@@ -9,17 +8,15 @@ from pathlib import Path
 import pytest
 
 import domainpar as dp
+from domainpar import cli
 from domainpar.comm import runtime
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
 def mpiexec_env():
-    env = dict(os.environ, OMP_NUM_THREADS="1", OMPI_MCA_rmaps_base_oversubscribe="1",
-               PYTHONPATH=str(ROOT))
-    if os.geteuid() == 0:
-        env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
-    return env
+    """The environment the CLI gives its own mpiexec jobs, with this checkout importable."""
+    return dict(cli.mpiexec_env(), PYTHONPATH=str(ROOT))
 
 
 def test_init_is_idempotent_without_mpiexec():

@@ -3,21 +3,19 @@ small size and reports blocks cut along H and agreement with one process.
 
 Serial (not marked mpi): the test launches its own mpiexec.
 """
-import os
 import re
 import subprocess
 import sys
 from pathlib import Path
 
+from domainpar import cli
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
 def _env():
-    env = dict(os.environ, OMP_NUM_THREADS="1", OMPI_MCA_rmaps_base_oversubscribe="1",
-               PYTHONPATH=str(ROOT))
-    if os.geteuid() == 0:
-        env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
-    return env
+    """The environment the CLI gives its own mpiexec jobs, with this checkout importable."""
+    return dict(cli.mpiexec_env(), PYTHONPATH=str(ROOT))
 
 
 def test_seed_example_on_two_ranks():
