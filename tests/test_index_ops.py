@@ -1,6 +1,6 @@
 """Indexing ops on DomainTensors (domainpar/ops/index.py) against one process on
-the whole tensor: cat/stack, basic indexing and assignment, narrow/select, flip
-and roll, along sharded and unsharded dims, on 1-, 2- and 3-D grids with even,
+the whole tensor: cat/stack, basic indexing and assignment, narrow/select, split/chunk/unbind,
+flip and roll, along sharded and unsharded dims, on 1-, 2- and 3-D grids with even,
 uneven and zero-size blocks; the derived layouts, the refusals on every rank,
 and the adjoint of the mirror exchange behind flip."""
 import functools
@@ -210,6 +210,29 @@ def test_setitem_with_index_tensor_is_refused():
         x = sharded(case).detach()
         raises_everywhere(lambda: x.__setitem__((slice(None), [0, 1]), 1.0),
                           "Tensor.__setitem__")
+
+
+# -- split / chunk / unbind ------------------------------------------------------------------------
+def _weighted(pieces, dim, join=torch.cat):
+    """Pieces re-joined with a different weight each, so a piece out of place shows."""
+    return join([p * (i + 1) for i, p in enumerate(pieces)], dim)
+
+
+SPLITS = [
+    lambda x: _weighted(x.split(4, 2), 2),                        # sharded dim (grid1..3)
+    lambda x: _weighted(torch.split(x, [1, 5, 0, 3], dim=2), 2),  # explicit sizes, an empty one
+    lambda x: _weighted(x.chunk(3, dim=3), 3),                    # sharded on grid2, grid3
+    lambda x: _weighted(torch.tensor_split(x, (1, 6), 2), 2),
+    lambda x: _weighted(x.chunk(2, 0), 0),                        # unsharded dim: local
+    lambda x: _weighted(x.unbind(1), 1, torch.stack),             # sharded on grid3
+    lambda x: _weighted(torch.unbind(x, dim=3), 3, torch.stack),
+]
+
+
+@pytest.mark.parametrize("case,dtype", COMBOS, ids=COMBO_IDS)
+@pytest.mark.parametrize("k", range(len(SPLITS)))
+def test_split_chunk_unbind_match_one_process(k, case, dtype):
+    check(SPLITS[k], case, dtype)
 
 
 # -- flip / roll ----------------------------------------------------------------------------------

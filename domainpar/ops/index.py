@@ -328,6 +328,41 @@ def select(func, args, kwargs):
     return getitem(T.__getitem__, (x, (slice(None),) * dim + (int(given["index"]),)), {})
 
 
+_SPLITS = (torch.split, T.split, torch.chunk, T.chunk, torch.tensor_split, T.tensor_split,
+           T.split_with_sizes, torch.split_with_sizes)
+
+
+@register(*_SPLITS)
+def split(func, args, kwargs):
+    """Local: pieces are slices (see ``narrow``). split, chunk, tensor_split,
+    split_with_sizes: every form torch takes; piece sizes are torch's own."""
+    x = args[0]
+    if not isinstance(x, DomainTensor):
+        raise UnsupportedOpError(f"{op_name(func)}: only the tensor being split may be a "
+                                 f"DomainTensor")
+    # torch itself, on a meta tensor of the global shape, validates the arguments
+    # and cuts the pieces; each piece is then a slice of the DomainTensor.
+    meta = torch.empty(x.shape, device="meta")
+    pieces = func(meta, *args[1:], **kwargs)
+    dim = _ndim_dim(func, int(kwargs.get("dim", args[2] if len(args) > 2 else 0)), x.ndim)
+    out, start = [], 0
+    for p in pieces:
+        n = p.shape[dim]
+        local, dec = _slice_dim(x._local, x._dec, dim, start, start + n, 1)
+        out.append(DomainTensor(local, dec))
+        start += n
+    return tuple(out)
+
+
+@register(torch.unbind, T.unbind)
+def unbind(func, args, kwargs):
+    """Local on an unsharded dim; one repartition per slice on a sharded one (see
+    ``select``)."""
+    x = args[0]
+    dim = _ndim_dim(func, int(kwargs.get("dim", args[1] if len(args) > 1 else 0)), x.ndim)
+    return tuple(select(T.select, (x, dim, i), {}) for i in range(x.shape[dim]))
+
+
 @register(T.__setitem__)
 def setitem(func, args, kwargs):
     """Local in the forward (a repartition when ``value`` is a DomainTensor laid
