@@ -14,12 +14,12 @@ import functools
 
 import pytest
 import torch
-import torch.nn.functional as F
 from mpi4py import MPI
 
 import domainpar as dp
 from domainpar.testing import shard_like
 from domainpar.testing.models import UNet3d
+from training import assert_same_state, reference, train
 
 pytestmark = pytest.mark.mpi
 
@@ -49,28 +49,9 @@ def _model():
     return UNet3d(in_channels=2, out_channels=2, width=2).double()
 
 
-def _train(model, x, target, params):
-    opt = torch.optim.SGD(params, lr=0.05, momentum=0.9)
-    losses = []
-    for _ in range(STEPS):
-        opt.zero_grad()
-        loss = F.mse_loss(model(x), target)
-        loss.backward()
-        opt.step()
-        losses.append(float(loss.detach()))
-    return losses
-
-
 @functools.lru_cache(maxsize=None)
 def _reference(n: int):
-    """One process on the whole field (rank 0), broadcast: final state and losses."""
-    result = None
-    if COMM.Get_rank() == 0:
-        model = _model()
-        x, target = _data(n)
-        losses = _train(model, x, target, model.parameters())
-        result = ({k: v.detach().clone() for k, v in model.state_dict().items()}, losses)
-    return COMM.bcast(result, root=0)
+    return reference(_model, *_data(n), STEPS)
 
 
 @pytest.mark.parametrize("case", CASES.get(SIZE, []), ids=lambda c: "-".join(map(str, c)))
@@ -82,20 +63,8 @@ def test_unet_training_matches_one_process(case):
     xs, ts = shard_like(x, grid, shard), shard_like(target, grid, shard)
     model = _model()
     trained = dp.DomainParallel(model, grid) if wrapped else model
-    losses = _train(trained, xs, ts, trained.parameters())
-
-    want_state, want_losses = _reference(n)
-    assert losses == pytest.approx(want_losses, rel=1e-10)
-    problems = []
-    for name, got in model.state_dict().items():
-        want = want_state[name]
-        if got.is_floating_point():
-            if not torch.allclose(got, want, rtol=1e-10, atol=1e-12):
-                problems.append(f"{name}: max abs difference {float((got - want).abs().max()):.3e}")
-        elif not torch.equal(got, want):
-            problems.append(f"{name}: {got} != {want}")
-    stories = COMM.allgather(problems)
-    assert not any(stories), stories
+    losses = train(trained, xs, ts, trained.parameters(), STEPS)
+    assert_same_state(model, losses, _reference(n))
     # BatchNorm's running statistics are the same on every rank, bit for bit.
     bn = model.bottleneck[0]
     for buf in (bn.running_mean, bn.running_var):

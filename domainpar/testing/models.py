@@ -6,6 +6,18 @@ GroupNorm + GELU blocks, strided-conv down-sampling, transposed-conv
 up-sampling, trilinear up-sampling on the shallowest path, skip connections
 by concatenation, and BatchNorm in the bottleneck. Any spatial size works
 (62, 63, 64 ...): the up-sampling targets the skip's size.
+
+``ViT2d``: a small vision transformer over the patches of a 2-D field, in the
+way such code is usually written: a strided conv cuts patches, the patch grid
+is flattened into a token sequence (``flatten(2).transpose(1, 2)``), learned
+positional embeddings are added, and pre-norm blocks alternate a hand-written
+multi-head attention (qkv linear, head split, F.scaled_dot_product_attention)
+with ``nn.MultiheadAttention``; a transposed conv turns tokens back into a field.
+
+``FNO2d``: a 2-D Fourier neural operator: channel lifting, spectral layers
+(rfft2, the low ``modes`` of both signs along H and the first ``modes`` along
+W mixed by complex weights with einsum, zero-filled back to the full spectrum,
+irfft2) plus a pointwise conv path, GELU, and a projection.
 """
 from __future__ import annotations
 
@@ -62,3 +74,111 @@ class UNet3d(nn.Module):
                 h = self.up[i](h, output_size=skip.shape[2:])
             h = self.decode[i](torch.cat([h, skip], dim=1))
         return self.head(h)
+
+
+# -- a vision transformer over patches ------------------------------------------------------------
+class SelfAttention(nn.Module):
+    """Multi-head self-attention written out: qkv projection, head split, SDPA."""
+
+    def __init__(self, dim: int, heads: int):
+        super().__init__()
+        self.heads = heads
+        self.qkv = nn.Linear(dim, 3 * dim)
+        self.proj = nn.Linear(dim, dim)
+
+    def forward(self, x):
+        b, n, d = x.shape
+        qkv = self.qkv(x).reshape(b, n, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
+        q, k, v = qkv.unbind(0)
+        y = F.scaled_dot_product_attention(q, k, v)
+        return self.proj(y.transpose(1, 2).reshape(b, n, d))
+
+
+class TransformerBlock(nn.Module):
+    """Pre-norm attention and MLP, each with a residual."""
+
+    def __init__(self, dim: int, heads: int, torch_mha: bool):
+        super().__init__()
+        self.norm1, self.norm2 = nn.LayerNorm(dim), nn.LayerNorm(dim)
+        self.torch_mha = torch_mha
+        self.attn = (nn.MultiheadAttention(dim, heads, batch_first=True) if torch_mha
+                     else SelfAttention(dim, heads))
+        self.mlp = nn.Sequential(nn.Linear(dim, 2 * dim), nn.GELU(), nn.Linear(2 * dim, dim))
+
+    def forward(self, x):
+        h = self.norm1(x)
+        h = self.attn(h, h, h, need_weights=False)[0] if self.torch_mha else self.attn(h)
+        x = x + h
+        return x + self.mlp(self.norm2(x))
+
+
+class ViT2d(nn.Module):
+    """Patches of a ``size`` field -> tokens -> ``depth`` transformer blocks -> a
+    field again (a surrogate's output, same shape as the input's spatial dims)."""
+
+    def __init__(self, size: tuple[int, int], in_channels: int = 1, out_channels: int = 1,
+                 patch: int = 8, dim: int = 32, heads: int = 4, depth: int = 2):
+        super().__init__()
+        self.grid = (size[0] // patch, size[1] // patch)
+        self.embed = nn.Conv2d(in_channels, dim, patch, stride=patch)
+        self.pos = nn.Parameter(0.02 * torch.randn(1, self.grid[0] * self.grid[1], dim))
+        self.blocks = nn.ModuleList(TransformerBlock(dim, heads, torch_mha=i % 2 == 1)
+                                    for i in range(depth))
+        self.norm = nn.LayerNorm(dim)
+        self.unembed = nn.ConvTranspose2d(dim, out_channels, patch, stride=patch)
+
+    def forward(self, x):
+        t = self.embed(x)                          # (B, D, h, w)
+        b, d, h, w = t.shape
+        t = t.flatten(2).transpose(1, 2) + self.pos  # (B, h*w, D): tokens in row-major order
+        for block in self.blocks:
+            t = block(t)
+        t = self.norm(t).transpose(1, 2).reshape(b, d, h, w)
+        return self.unembed(t)
+
+
+# -- a Fourier neural operator ----------------------------------------------------------------
+class SpectralConv2d(nn.Module):
+    """Mixes channels on the lowest ``modes`` frequencies of both signs along H
+    and the first ``modes`` along W (the rfft half-spectrum); drops the rest."""
+
+    def __init__(self, cin: int, cout: int, modes: int):
+        super().__init__()
+        self.modes = modes
+        scale = 1.0 / (cin * cout)
+        # Complex weights stored as (real, imag) pairs, so that .double() converts them.
+        self.w_pos = nn.Parameter(scale * torch.randn(cin, cout, modes, modes, 2))
+        self.w_neg = nn.Parameter(scale * torch.randn(cin, cout, modes, modes, 2))
+
+    def forward(self, x):
+        h, w = x.shape[-2:]
+        m = self.modes
+        x_ft = torch.fft.rfft2(x)
+        w_pos, w_neg = torch.view_as_complex(self.w_pos), torch.view_as_complex(self.w_neg)
+        low = torch.einsum("bixy,ioxy->boxy", x_ft[:, :, :m, :m], w_pos)
+        high = torch.einsum("bixy,ioxy->boxy", x_ft[:, :, -m:, :m], w_neg)
+        # The full spectrum again: zeros between the two bands and past mode m along W.
+        out_ft = torch.cat([F.pad(low, (0, 0, 0, h - 2 * m)), high], dim=-2)
+        out_ft = F.pad(out_ft, (0, w // 2 + 1 - m))
+        return torch.fft.irfft2(out_ft, s=(h, w))
+
+
+class FNO2d(nn.Module):
+    """Lift (1x1 conv) -> ``layers`` x (spectral conv + 1x1 conv, GELU) -> project."""
+
+    def __init__(self, in_channels: int = 1, out_channels: int = 1, width: int = 8,
+                 modes: int = 12, layers: int = 4):
+        super().__init__()
+        self.lift = nn.Conv2d(in_channels, width, 1)
+        self.spectral = nn.ModuleList(SpectralConv2d(width, width, modes) for _ in range(layers))
+        self.pointwise = nn.ModuleList(nn.Conv2d(width, width, 1) for _ in range(layers))
+        self.project = nn.Sequential(nn.Conv2d(width, 2 * width, 1), nn.GELU(),
+                                     nn.Conv2d(2 * width, out_channels, 1))
+
+    def forward(self, x):
+        h = self.lift(x)
+        for i, (spectral, pointwise) in enumerate(zip(self.spectral, self.pointwise)):
+            h = spectral(h) + pointwise(h)
+            if i < len(self.spectral) - 1:
+                h = F.gelu(h)
+        return self.project(h)
