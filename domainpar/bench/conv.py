@@ -6,7 +6,7 @@ ranks, one torch thread per rank; a step is forward and ``.mean().backward()``
 (input, weight and bias gradients). Measured:
 
 - step time on N ranks and in one process, interleaved step by step in one
-  N-rank job (see ``_time_one_process`` for why that is fair); the speedup is
+  N-rank job (see ``timing.time_on_rank0`` for why that is fair); the speedup is
   the ratio of the medians. CPU time too (the busiest rank's), which a shared
   machine's other load disturbs less than wall time;
 - halo time left exposed: time inside ``HaloExchange.fill``/``accumulate``
@@ -52,6 +52,8 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+
+from .timing import idle_barrier, live_tensor_peak_kib, on_rank0, time_on_rank0
 
 CASES = {  # name -> (module factory, global input shape)
     "conv3d": (lambda: torch.nn.Conv3d(4, 4, 3, padding=1), (1, 4, 128, 128, 128)),
@@ -173,13 +175,6 @@ def _instrument() -> None:
         cls.forward = staticmethod(timed(cls.forward, "functions", f"domainpar::{cls.__name__}"))
 
 
-def _idle_barrier(comm) -> None:
-    """A barrier that sleeps while it waits (MPI_Barrier polls a core busily)."""
-    req = comm.Ibarrier()
-    while not req.Test():
-        time.sleep(0.001)
-
-
 def _time_ranks(comm, step) -> dict:
     """Collective. One N-rank step: the slowest rank's wall and CPU time, each
     rank's time inside halo exchanges, and an estimate of the exchanges' own
@@ -196,33 +191,6 @@ def _time_ranks(comm, step) -> dict:
     return {"wall": max(r[0] for r in per_rank), "cpu": max(r[1] for r in per_rank),
             "halo_exchange": [r[2] for r in per_rank], "halo_functions": [r[3] for r in per_rank],
             "halo_exchange_cost": sum(map(min, zip(*(r[4] for r in per_rank))))}
-
-
-def _time_one_process(comm, step) -> dict:
-    """Collective. One step of the whole problem in one process, on rank 0.
-
-    Fair on a machine with few cores: the other ranks wait in a barrier that
-    sleeps, so rank 0 runs as a lone process would, with the other cores free.
-    (An MPI_Barrier would spin one core per waiting rank: on 2 cores, load that
-    the machine's other processes would then push onto rank 0's core.) Taking
-    it step by step, alternating with the N-rank step, puts both under the same
-    background load of a shared machine, which separate launches, minutes
-    apart, would not.
-    """
-    sample = None
-    if comm.Get_rank() == 0:
-        t0, c0 = time.perf_counter(), time.thread_time()
-        step()
-        sample = {"wall": time.perf_counter() - t0, "cpu": time.thread_time() - c0}
-    _idle_barrier(comm)
-    return comm.bcast(sample, root=0)
-
-
-def _on_rank0(comm, fn):
-    """Collective. ``fn()`` on rank 0 while the others sleep; its result everywhere."""
-    result = fn() if comm.Get_rank() == 0 else None
-    _idle_barrier(comm)
-    return comm.bcast(result, root=0)
 
 
 def _settle_exchanges() -> None:
@@ -262,7 +230,7 @@ def _profile(comm, step, collective: bool) -> dict:
                 prof.stop()
         return _summary(prof.key_averages())
     if not collective:
-        return _on_rank0(comm, run)
+        return on_rank0(comm, run)
     summary = run()
     return comm.bcast(summary if comm.Get_rank() == 0 else None, root=0)
 
@@ -355,14 +323,14 @@ def _time_worker(args) -> dict:
         ranks_step()
         _settle_exchanges()
         ranks_step()
-        _time_one_process(comm, single)
+        time_on_rank0(comm, single)
         samples = {"ranks": [], "one_process": []}
         for i in range(args.repeats):
             # alternate which goes first, so neither always follows the other
             order = ("ranks", "one_process") if i % 2 == 0 else ("one_process", "ranks")
             for path in order:
                 samples[path].append(_time_ranks(comm, ranks_step) if path == "ranks"
-                                     else _time_one_process(comm, single))
+                                     else time_on_rank0(comm, single))
             say(f"  {i + 1}/{args.repeats}: {size} ranks {samples['ranks'][-1]['wall']:.3f} s, "
                 f"one process {samples['one_process'][-1]['wall']:.3f} s", flush=True)
         say(f"{name}: profiling one step of each, then the interior/boundary split", flush=True)
@@ -370,7 +338,7 @@ def _time_worker(args) -> dict:
                     "one_process": _profile(comm, single, collective=False)}
         from ..comm import Decomposition
         local_shape = Decomposition(shape, grid, {SHARDED_DIM: 0}).local_shape()
-        probe = _on_rank0(comm, lambda: _split_probe(conv, local_shape, args.probe_repeats))
+        probe = on_rank0(comm, lambda: _split_probe(conv, local_shape, args.probe_repeats))
         report[name] = {"shape": list(shape), "local_shape": list(local_shape),
                         "samples": samples, "profile": profiles, "split_probe": probe}
     return report
@@ -405,21 +373,6 @@ def _trim() -> None:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
     except (OSError, AttributeError):
         pass
-
-
-def _live_tensor_peak_kib(step) -> float:
-    """The most memory torch's allocator had live during ``step``, from the
-    profiler's allocation and free records: what the activations, gradients and
-    buffers need, without the allocator's and libraries' own resident pages (which
-    RSS counts, and which make RSS about twice this for the UNet step here)."""
-    from torch.profiler import ProfilerActivity, profile
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        step()
-    live = peak = 0
-    for event in sorted(prof.events(), key=lambda e: e.time_range.start):
-        live += event.self_cpu_memory_usage
-        peak = max(peak, live)
-    return peak / 1024
 
 
 def _memory_worker(args) -> dict:
@@ -460,7 +413,7 @@ def _memory_worker(args) -> dict:
     mine = {"after_import_kib": after_import, "baseline_kib": baseline, "peak_kib": peak,
             "peak_above_baseline_kib": peak - baseline,
             "method": "VmHWM after clear_refs" if exact else "ru_maxrss",
-            "live_tensor_peak_kib": _live_tensor_peak_kib(step)}
+            "live_tensor_peak_kib": live_tensor_peak_kib(step)}
     return {"what": args.what, "ranks": size, "shape": list(shape),
             "per_rank": comm.allgather(mine)}
 
