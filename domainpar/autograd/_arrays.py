@@ -15,7 +15,9 @@ from ..comm import buffers
 
 def to_array(t: torch.Tensor):
     """A numpy or CuPy view of ``t``'s data (made contiguous first if needed)."""
-    t = t.detach()
+    # A lazy conjugate or negation (x.conj(), x.imag of one) is a bit on the tensor
+    # that DLPack and numpy cannot carry: materialise it.
+    t = t.detach().resolve_conj().resolve_neg()
     if not t.is_contiguous():
         t = t.contiguous()
     if t.dtype == torch.bool:  # DLPack has bool, but numpy's from_dlpack may not

@@ -5,3 +5,4 @@ from . import conv, linear, loss, pad, shape  # noqa: F401
 from . import resample  # noqa: F401
 from . import pool  # noqa: F401
 from . import dropout, norm  # noqa: F401
+from . import einsum, fft  # noqa: F401

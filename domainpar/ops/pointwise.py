@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils import _pytree as pytree
 
+from ..tensor import layout
 from ..tensor.dispatch import UnsupportedOpError, op_name, register, register_attribute
 from ..tensor.domain_tensor import DomainTensor
 from .common import onto, output_layout, wrap
@@ -29,7 +30,7 @@ multiply mvlgamma nan_to_num neg negative nextafter polygamma positive pow rad2d
 remainder round rsqrt sigmoid sign sgn signbit sin sinc sinh sqrt square sub subtract tan tanh
 true_divide trunc fix xlogy where eq ne lt le gt ge greater greater_equal less less_equal
 not_equal isnan isinf isposinf isneginf isfinite isreal isclose heaviside masked_fill relu
-zero_ fill_ copy_ real imag view_as_real view_as_complex
+zero_ fill_ copy_ real imag resolve_conj resolve_neg
 relu6 elu selu celu gelu silu mish leaky_relu hardtanh hardswish hardsigmoid softplus softsign
 tanhshrink threshold logsigmoid hardshrink softshrink rrelu_ glu_never
 """.split()
@@ -109,6 +110,27 @@ def constant_like(func, args, kwargs):
         raise UnsupportedOpError(f"{op_name(func)}: memory_format is not supported on "
                                  f"DomainTensors")
     return DomainTensor(func(x._local, *args[1:], **kwargs), x._dec)
+
+
+@register(torch.view_as_real, torch.view_as_complex)
+def complex_view(func, args, kwargs):
+    """Local. view_as_real adds a trailing unsharded dim of size 2 (real, imaginary);
+    view_as_complex drops it (it must not be sharded). Sharded dims keep their layout."""
+    x = args[0] if args else kwargs.get("input")
+    if not isinstance(x, DomainTensor):
+        raise UnsupportedOpError(f"{op_name(func)}: needs a DomainTensor input")
+    # torch's own checks (dtype, a last dim of size 2) on the global shape
+    shape = tuple(func(torch.empty(x.shape, dtype=x.dtype, device="meta")).shape)
+    if func is torch.view_as_complex and x.ndim - 1 in x._dec.shard:
+        raise UnsupportedOpError(
+            f"{op_name(func)}: the last dim (real, imaginary) is sharded on "
+            f"{layout.sharded_dims_text(x._dec)}; redistribute so that it is not")
+    local = x._local
+    if func is torch.view_as_complex and not (
+            local.stride(-1) == 1 and local.storage_offset() % 2 == 0
+            and all(s % 2 == 0 for s in local.stride()[:-1])):
+        local = local.contiguous()  # a block sliced out of a larger one may not be viewable
+    return DomainTensor(func(local), layout.remap(x._dec, shape, {d: d for d in x._dec.shard}))
 
 
 @register(F.prelu)

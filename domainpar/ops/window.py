@@ -188,5 +188,7 @@ def placeholder(shape: Sequence[int], like: torch.Tensor, *sources) -> torch.Ten
     z = torch.zeros(tuple(shape), dtype=like.dtype, device=like.device)
     for s in sources:
         if isinstance(s, torch.Tensor) and s.requires_grad:
-            z = z + s.flatten()[:0].sum().to(z.dtype)
+            zero = s.flatten()[:0].sum()
+            # (.real: a complex source of a real block, without torch's warning)
+            z = z + (zero.real if zero.is_complex() and not z.is_complex() else zero).to(z.dtype)
     return z

@@ -1,0 +1,151 @@
+"""torch.einsum with DomainTensor and plain (replicated) operands.
+
+Every label of the equation names one dim of the iteration space; a label is
+*sharded* when a DomainTensor operand shards a dim with that label. The rule:
+
+- A sharded label that the output keeps stays sharded there, on the same grid
+  axis with the same block sizes.
+- Plain operands with a sharded label are cut to the block along it
+  (``tensor.params.enter_domain``): their gradient is assembled over the ranks
+  that hold the blocks and summed over the grid axes along which they are
+  broadcast; a DomainTensor operand that lacks a sharded label is broadcast
+  along its axis in the same way.
+- A sharded label that is summed over (contracted) is summed in two stages:
+  each rank contracts its block, then the partial results are summed over the
+  label's grid axis (``ag.allreduce_sum``: the result is replicated along that
+  axis, and its backward is the identity). This moves only the output, which
+  for a sum over a sharded dim (an inner product, a projection of a field onto
+  a few modes) is much smaller than the operands; repartitioning the operands
+  to make the label whole would move them instead and leave whole dims on
+  every rank. An output with no sharded dim left is a plain tensor replicated
+  on every rank, like a global reduction's.
+- A dim sharded over a grid axis of one rank is whole: it counts as unsharded.
+- Two DomainTensor operands sharded on the same label must agree: the later
+  one is repartitioned onto the first one's axis and block sizes.
+
+Refused (UnsupportedOpError on every rank): two labels sharded over the same
+grid axis; a label repeated within one operand (a diagonal) and sharded; a
+sharded dim of size 1 that broadcasts against a larger one; a repartition that
+would replicate an operand along an axis it was sharded on (a gather).
+torch turns the sublist form into an equation before the rule sees the call.
+"""
+from __future__ import annotations
+
+import string
+
+import torch
+
+from .. import autograd as ag
+from ..tensor import layout
+from ..tensor.dispatch import UnsupportedOpError, op_name, register, same_grid
+from ..tensor.domain_tensor import DomainTensor
+from ..tensor.params import enter_domain
+
+
+def _explicit(equation: str, ndims) -> tuple[list[str], str]:
+    """Input terms and output term with the ellipsis spelt out as labels (right-aligned,
+    as torch broadcasts it) and an implicit output made explicit."""
+    equation = equation.replace(" ", "")
+    lhs, arrow, rhs = equation.partition("->")
+    terms = lhs.split(",")
+    used = set(c for c in equation if c.isalpha())
+    spare = [c for c in string.ascii_letters if c not in used]
+    widths = [n - len(t.replace("...", "")) if "..." in t else 0 for t, n in zip(terms, ndims)]
+    width = max(widths, default=0)
+    ell = "".join(spare[:width])
+    terms = [t.replace("...", ell[width - w:]) for t, w in zip(terms, widths)]
+    if arrow:
+        out = rhs.replace("...", ell)
+    else:
+        counts = {c: "".join(terms).count(c) for c in set("".join(terms))}
+        out = ell + "".join(sorted(c for c, k in counts.items() if k == 1 and c not in ell))
+    return terms, out
+
+
+def _refuse(func, why: str) -> UnsupportedOpError:
+    return UnsupportedOpError(f"{op_name(func)}: {why}")
+
+
+@register(torch.einsum)
+def einsum(func, args, kwargs):
+    """Local, collective when a contracted label is sharded (allreduce of partial sums)
+    or operands disagree (repartition). String equations with ellipsis and broadcasting;
+    sharded labels stay sharded in the output; plain operands are sliced to the block."""
+    if kwargs or not args or not isinstance(args[0], str):
+        raise _refuse(func, "expected torch.einsum(equation, *operands)")
+    equation, operands = args[0], list(args[1:])
+    if len(operands) == 1 and isinstance(operands[0], (list, tuple)):
+        operands = list(operands[0])
+    dts = [t for t in operands if isinstance(t, DomainTensor)]
+    same_grid(func, dts)
+    metas = [torch.empty(t.shape, dtype=t.dtype, device="meta") for t in operands]
+    out_shape = tuple(torch.einsum(equation, *metas).shape)  # torch's own checks
+    terms, out_term = _explicit(equation, [t.ndim for t in operands])
+    explicit = ",".join(terms) + "->" + out_term
+    if tuple(torch.einsum(explicit, *metas).shape) != out_shape:
+        raise _refuse(func, f"internal: {equation!r} read as {explicit!r} gives another shape")
+
+    size = {}
+    for term, t in zip(terms, operands):
+        for c, n in zip(term, t.shape):
+            size[c] = max(size.get(c, 1), n)
+    # Sharded labels: {label: (grid axis, block sizes)}, the first DomainTensor's say.
+    sharded, axis_label = {}, {}
+    for term, t in zip(terms, operands):
+        if not isinstance(t, DomainTensor):
+            continue
+        for d, axis in t._dec.shard.items():
+            c = term[d]
+            if t._dec.grid.dims[axis] == 1:
+                continue  # one rank along the axis: the dim is whole, not cut
+            if t.shape[d] != size[c]:
+                raise _refuse(func, f"dim {d} of an operand is sharded "
+                                    f"({layout.sharded_dims_text(t._dec)}) but has size "
+                                    f"{t.shape[d]} and broadcasts against label {c!r} of "
+                                    f"size {size[c]}")
+            if term.count(c) > 1:
+                raise _refuse(func, f"label {c!r} is repeated in {term!r} (a diagonal) and "
+                                    f"sharded; redistribute so that it is not")
+            if c in sharded:
+                continue
+            if axis in axis_label:
+                raise _refuse(func, f"labels {axis_label[axis]!r} and {c!r} are both sharded "
+                                    f"over grid axis {axis}; redistribute one of the operands")
+            sharded[c], axis_label[axis] = (axis, t._dec.block_sizes(d)), c
+
+    lead = dts[0]._dec
+    labels = sorted(size)
+    space = layout.derive(lead, [size[c] for c in labels],
+                          {labels.index(c): a for c, (a, _) in sharded.items()},
+                          {labels.index(c): s for c, (_, s) in sharded.items()})
+    all_axes = {a for a, _ in sharded.values()}
+    locals_ = []
+    for term, t in zip(terms, operands):
+        dims = {d: c for d, c in enumerate(term) if c in sharded and t.shape[d] == size[c]}
+        if not isinstance(t, DomainTensor):
+            locals_.append(enter_domain(t, space, {d: labels.index(c) for d, c in dims.items()}))
+            continue
+        target = layout.derive(t._dec, t.shape, {d: sharded[c][0] for d, c in dims.items()},
+                               {d: sharded[c][1] for d, c in dims.items()})
+        lost = ({a for a in t._dec.shard.values() if t._dec.grid.dims[a] > 1}
+                - set(target.shard.values()))
+        if lost:
+            raise _refuse(func, f"an operand sharded on {layout.sharded_dims_text(t._dec)} "
+                                f"would have to be gathered along grid axes {sorted(lost)} to "
+                                f"match the other operands' labels; redistribute it")
+        local = ag.repartition(t._local, t._dec, target)
+        broadcast = all_axes - set(target.shard.values())
+        if broadcast and local.requires_grad and torch.is_grad_enabled():
+            local = ag.broadcast(local, lead.grid.sub(broadcast))
+        locals_.append(local)
+
+    out = torch.einsum(explicit, *locals_)
+    contracted = {a for c, (a, _) in sharded.items() if c not in out_term}
+    if contracted:
+        out = ag.allreduce_sum(out, lead.grid.sub(contracted))
+    kept = {d: c for d, c in enumerate(out_term) if c in sharded}
+    if contracted and not kept:
+        return out
+    return DomainTensor(out, layout.derive(lead, out_shape,
+                                           {d: sharded[c][0] for d, c in kept.items()},
+                                           {d: sharded[c][1] for d, c in kept.items()}))

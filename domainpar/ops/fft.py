@@ -1,0 +1,236 @@
+"""Distributed FFTs: torch.fft's fft, ifft, rfft, irfft, hfft and ihfft, in their
+1-D, 2-D and n-D forms, on real and complex DomainTensors along any dims.
+
+Method
+------
+An n-D transform is a chain of 1-D transforms, one per transform dim, each
+with its own length (``n``/``s``: zero padding or trimming) and its share of the
+normalisation (``norm`` scales every dim alike). A 1-D transform needs its dim
+whole on every rank, so the plan (``_plan``) alternates local transforms and
+transposes:
+
+1. Transform the pending dims that are local now, in one ``torch.fft`` call
+   (for the order of the real-to-complex and complex-to-real dims, see below).
+2. When the dim that must go next is sharded, move its grid axis onto another
+   dim (a repartition, i.e. an alltoallv; its adjoint is the reverse alltoallv):
+   the lowest dim this call already transformed; else the largest dim the call
+   does not transform (ties: the lowest); else, as a last resort, the largest
+   other pending dim that is local (it is moved again later). A dim is a
+   candidate only if it is not sharded already and has at least as many
+   elements as the grid axis has ranks, so that no rank is left without work
+   (a smaller dim would concentrate the tensor on a few ranks).
+3. Repeat until every dim is transformed.
+
+The real-to-complex transform (rfft, ihfft: on the last transform dim) goes
+first, as its input is real; the complex-to-real one (irfft, hfft: on the last
+transform dim) goes last, as its output is. ``n``/``s`` are applied along a dim
+while it is local, inside the ``torch.fft`` call that transforms it. The plan
+depends on layouts and shapes only, so every rank derives the same one without
+a message. Nothing is ever gathered: per-rank memory stays O(N/P).
+
+Output layout
+-------------
+Dims that are already local keep their layout (their sizes change only where
+``n``/``s`` or the half spectrum change them); a transform dim that was
+sharded comes out whole, and the dim that took its grid axis (step 2) comes
+out sharded with balanced blocks. Examples, with x sharded on H:
+
+- ``y = rfft2(x)`` (dims H, W) comes out sharded on dim W (the frequencies,
+  W // 2 + 1 of them), and ``irfft2(y, s=(H, W))`` comes back sharded on H;
+- ``fftn`` over (X, Y, Z) of a field sharded on X (axis 0) and Y (axis 1) comes
+  out sharded on Z (axis 0) and X (axis 1), and ``ifftn`` brings back X (axis 0)
+  and Y (axis 1).
+
+In both, each axis went onto a dim the forward had transformed, and the
+inverse moves it back by the same rule: the forward's input layout returns,
+with balanced blocks. An axis that went onto a dim the call does not transform
+stays there: ``rfft2`` of x sharded on W (the real-to-complex dim, which goes
+first, before any dim is done) moves W's axis onto the channels (the largest
+other dim), and ``irfft2`` leaves the result sharded on the channels. A dim
+sharded on a grid axis of one rank counts as local and stays sharded.
+
+Refused (UnsupportedOpError on every rank)
+------------------------------------------
+- a sharded transform dim whose grid axis no other dim can take (step 2): a
+  1-D tensor, or every other dim sharded already or smaller than the number of
+  ranks on that axis. Add a batch or channel dim, shard another dim, or use
+  fewer ranks on that axis (a distributed four-step 1-D FFT is not provided);
+- ``out=``.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from .. import autograd as ag
+from ..comm.decomposition import Decomposition
+from ..tensor import layout
+from ..tensor.dispatch import UnsupportedOpError, register
+from ..tensor.domain_tensor import DomainTensor
+from . import window
+from .common import bind
+
+
+@dataclasses.dataclass(frozen=True)
+class _Family:
+    """The local calls of one transform family: ``half`` for the group that holds the
+    last transform dim when that dim is real-to-complex or complex-to-real (``kind``),
+    ``full`` (complex to complex) for the others."""
+    kind: str | None  # None (c2c), "r2c" (goes first) or "c2r" (goes last)
+    half: object
+    full: object
+
+
+_FAMILIES = {
+    "fft": _Family(None, torch.fft.fftn, torch.fft.fftn),
+    "ifft": _Family(None, torch.fft.ifftn, torch.fft.ifftn),
+    "rfft": _Family("r2c", torch.fft.rfftn, torch.fft.fftn),
+    "ihfft": _Family("r2c", torch.fft.ihfftn, torch.fft.ifftn),
+    "irfft": _Family("c2r", torch.fft.irfftn, torch.fft.ifftn),
+    "hfft": _Family("c2r", torch.fft.hfftn, torch.fft.fftn),
+}
+# torch.fft callable -> (family, form, name): form "1" takes n and dim, "2" and "n" take s
+# and dim. (The callables' own names, ``fft_fft`` ..., are not the ones users write.)
+_FORMS = {getattr(torch.fft, name + suffix): (name, form, f"torch.fft.{name}{suffix}")
+          for name in _FAMILIES for suffix, form in (("", "1"), ("2", "2"), ("n", "n"))}
+
+
+# -- the plan ------------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class _Phase:
+    """Move the block to ``src`` (a repartition; None: stay), then transform ``dims``
+    (the c2r/r2c dim last) with lengths ``lengths``; the result is laid out by ``dst``."""
+    src: Decomposition | None
+    dims: tuple[int, ...]
+    lengths: tuple[int, ...]
+    half: bool
+    dst: Decomposition
+
+
+def _local(dec: Decomposition, d: int) -> bool:
+    return d not in dec.shard or dec.grid.dims[dec.shard[d]] == 1
+
+
+def _target(func, dec: Decomposition, d: int, done, pending) -> int:
+    """The dim that takes ``d``'s grid axis (module docstring, step 2)."""
+    axis = dec.shard[d]
+    ranks = dec.grid.dims[axis]
+    shape = dec.global_shape
+    free = [t for t in range(dec.ndim) if t != d and t not in dec.shard and shape[t] >= ranks]
+    tiers = ([t for t in free if t in done],
+             sorted((t for t in free if t not in pending), key=lambda t: (-shape[t], t)),
+             sorted((t for t in free if t in pending), key=lambda t: (-shape[t], t)))
+    for tier in tiers:
+        if tier:
+            return min(tier) if tier is tiers[0] else tier[0]
+    raise UnsupportedOpError(
+        f"{_FORMS[func][2]} on a DomainTensor of shape {tuple(shape)} sharded on "
+        f"{layout.sharded_dims_text(dec)}: transforming dim {d} needs it whole on every rank, "
+        f"and no other dim can take its grid axis {axis}: each is sharded already or has fewer "
+        f"than the {ranks} ranks of that axis. Add a batch or channel dim of at least {ranks}, "
+        f"shard another dim (redistribute), or use fewer ranks on grid axis {axis}")
+
+
+def _moved(dec: Decomposition, d: int, t: int) -> Decomposition:
+    """``dec`` with ``d``'s grid axis on ``t`` (balanced blocks) and ``d`` whole."""
+    shard = {k: a for k, a in dec.shard.items() if k != d}
+    shard[t] = dec.shard[d]
+    sizes = {k: dec.block_sizes(k) for k in shard if k != t}
+    return layout.derive(dec, dec.global_shape, shard, sizes)
+
+
+def _transformed(dec: Decomposition, out_sizes: dict[int, int]) -> Decomposition:
+    """``dec`` after local transforms resize the dims in ``out_sizes``."""
+    shape = list(dec.global_shape)
+    for d, n in out_sizes.items():
+        shape[d] = n
+    sizes = {k: ((shape[k],) if k in out_sizes else dec.block_sizes(k)) for k in dec.shard}
+    return layout.derive(dec, shape, dec.shard, sizes)
+
+
+def _plan(func, dec: Decomposition, dims, lengths, out_lengths, kind) -> list[_Phase]:
+    """The phases of a transform over ``dims`` (torch's order; the half dim last)
+    with input lengths ``lengths`` (c2r: output lengths) and output sizes
+    ``out_lengths``."""
+    length = dict(zip(dims, lengths))
+    out_length = dict(zip(dims, out_lengths))
+    half = dims[-1] if kind else None
+    pending, done, phases = list(dims), [], []
+    while pending:
+        src = None
+        if kind == "r2c" and half in pending:
+            if not _local(dec, half):
+                src = dec = _moved(dec, half, _target(func, dec, half, done, pending))
+            group = [d for d in pending if d != half and _local(dec, d)] + [half]
+        elif all(_local(dec, d) for d in pending):
+            group = list(pending)
+        else:
+            full = [d for d in pending if d != half]
+            group = [d for d in full if _local(dec, d)]
+            if not group:
+                d = full[0] if full else half
+                src = dec = _moved(dec, d, _target(func, dec, d, done, pending))
+                group = [d]
+        dst = _transformed(dec, {d: out_length[d] for d in group})
+        phases.append(_Phase(src, tuple(group), tuple(length[d] for d in group),
+                             half in group, dst))
+        dec = dst
+        done += group
+        pending = [d for d in pending if d not in group]
+    return phases
+
+
+# -- the rule -------------------------------------------------------------------------------------
+def _dims_and_lengths(x: DomainTensor, form: str, a: dict, kind, out_shape):
+    """Transform dims in torch's order and each one's length (the c2r dim: its output
+    length), resolved as torch does (torch has checked the arguments on ``out_shape``)."""
+    ndim = x.ndim
+    if form == "1":
+        dims, s = [a["dim"]], [a["n"]]
+    else:
+        dim, s = a["dim"], a["s"]
+        if dim is None:
+            dims = list(range(ndim)) if s is None else list(range(ndim - len(s), ndim))
+        else:
+            dims = [dim] if isinstance(dim, int) else list(dim)
+        s = [None] * len(dims) if s is None else list(s)
+    dims = [d % ndim for d in dims]
+    lengths = [x.shape[d] if n is None or n == -1 else int(n) for d, n in zip(dims, s)]
+    if kind == "c2r":
+        lengths[-1] = out_shape[dims[-1]]
+    return tuple(dims), tuple(lengths), tuple(out_shape[d] for d in dims)
+
+
+@register(*_FORMS)
+def fft(func, args, kwargs):
+    """Collective (alltoallv transposes) when a transform dim is sharded, local otherwise.
+    fft, ifft, rfft, irfft, hfft, ihfft and their 2-D and n-D forms: any dims, n / s
+    (padding, trimming), norm; real or complex input; output layout in ``ops.fft``."""
+    family, form, name = _FORMS[func]
+    names = ("input", "n", "dim", "norm") if form == "1" else ("input", "s", "dim", "norm")
+    a = bind(func, args, kwargs, names + ("out",),
+             {"dim": -1 if form == "1" else ((-2, -1) if form == "2" else None)})
+    x = a.pop("input")
+    if a.pop("out") is not None:
+        raise UnsupportedOpError(f"{name}: out= is not supported on DomainTensors")
+    if not isinstance(x, DomainTensor):
+        raise UnsupportedOpError(f"{name}: only the input may be a DomainTensor")
+    # torch's own argument checks, output shape and dtype, on the global shape
+    probe = func(torch.empty(x.shape, dtype=x.dtype, device="meta"), **a)
+    fam = _FAMILIES[family]
+    dims, lengths, out_lengths = _dims_and_lengths(x, form, a, fam.kind, tuple(probe.shape))
+    local, dec = x._local, x._dec
+    for phase in _plan(func, dec, dims, lengths, out_lengths, fam.kind):
+        if phase.src is not None:
+            local = ag.repartition(local, dec, phase.src)
+        call = fam.half if phase.half else fam.full
+        options = dict(s=phase.lengths, dim=phase.dims, norm=a["norm"])
+        if local.numel():
+            local = call(local, **options)
+        else:  # torch's FFT backends refuse empty blocks; the graph must still be built
+            meta = call(torch.empty(local.shape, dtype=local.dtype, device="meta"), **options)
+            like = torch.empty((), dtype=meta.dtype, device=local.device)
+            local = window.placeholder(meta.shape, like, local)
+        dec = phase.dst
+    return DomainTensor(local, dec)
