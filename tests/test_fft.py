@@ -149,19 +149,25 @@ def test_fftn_of_a_field_sharded_on_two_dims_round_trips():
 
 
 def test_a_sharded_last_dim_moves_onto_another_dim():
-    """rfft2 with W sharded: W's axis goes to the largest dim the call does not
-    transform (channels): one alltoallv, and none in the inverse, which leaves it there."""
+    """rfft2 with W sharded: W's axis goes to H (the other transform dim), then to
+    W's frequencies, so the spectrum is sharded on a frequency dim (channel mixing
+    stays local); irfft2 brings it to H. fft along W alone (no other transform
+    dim) puts it on the largest other dim (H, 7), and ifft leaves it there."""
     shape = (2, 6, 7, 10)
     grid, shard, sizes = layout(shape, (3,), 1, "uneven")
+    p = grid.dims[0]
     x = shard_like(global_tensor(shape), grid, shard, sizes)
     y = torch.fft.rfft2(x)
-    assert y.decomposition.shard == ({1: 0} if grid.dims[0] > 1 else {3: 0})
+    assert _layout_of(y) == ({3: (0, _balanced(6, p))} if p > 1 else _layout_of(x) | {3: (0, (6,))})
     torch.testing.assert_close(y.full_tensor(), torch.fft.rfft2(global_tensor(shape)))
-    z = torch.fft.irfft2(y, s=(7, 10))  # all local now: stays on the channels
-    assert z.decomposition.shard == y.decomposition.shard
-    if grid.dims[0] > 1:
-        assert z.decomposition.block_sizes(1) == y.decomposition.block_sizes(1)
+    z = torch.fft.irfft2(y, s=(7, 10))
+    assert z.decomposition.shard == ({2: 0} if p > 1 else {3: 0})
     torch.testing.assert_close(z.full_tensor(), global_tensor(shape))
+    f = torch.fft.fft(x, dim=3)
+    assert f.decomposition.shard == ({2: 0} if p > 1 else {3: 0})
+    g = torch.fft.ifft(f, dim=3)
+    assert g.decomposition.shard == f.decomposition.shard
+    torch.testing.assert_close(g.full_tensor().real, global_tensor(shape))
 
 
 @pytest.mark.parametrize("dtype", (torch.complex128, torch.float64))

@@ -13,9 +13,10 @@ transposes:
    (for the order of the real-to-complex and complex-to-real dims, see below).
 2. When the dim that must go next is sharded, move its grid axis onto another
    dim (a repartition, i.e. an alltoallv; its adjoint is the reverse alltoallv):
-   the lowest dim this call already transformed; else the largest dim the call
-   does not transform (ties: the lowest); else, as a last resort, the largest
-   other pending dim that is local (it is moved again later). A dim is a
+   the lowest dim this call already transformed; else the largest other
+   pending dim that is local (it is moved again later: one more alltoallv, but
+   the result stays sharded on a frequency dim); else the largest dim the call
+   does not transform (ties: the lowest). A dim is a
    candidate only if it is not sharded already and has at least as many
    elements as the grid axis has ranks, so that no rank is left without work
    (a smaller dim would concentrate the tensor on a few ranks).
@@ -43,10 +44,12 @@ out sharded with balanced blocks. Examples, with x sharded on H:
 
 In both, each axis went onto a dim the forward had transformed, and the
 inverse moves it back by the same rule: the forward's input layout returns,
-with balanced blocks. An axis that went onto a dim the call does not transform
-stays there: ``rfft2`` of x sharded on W (the real-to-complex dim, which goes
-first, before any dim is done) moves W's axis onto the channels (the largest
-other dim), and ``irfft2`` leaves the result sharded on the channels. A dim
+with balanced blocks. ``rfft2`` of x sharded on W (the real-to-complex dim,
+which goes first, before any dim is done) moves W's axis onto H, then, to
+transform H, onto W's frequencies: two alltoallvs, and the result is sharded
+on W's frequencies as in the first example; ``irfft2`` then brings it to H. An
+axis that went onto a dim the call does not transform (step 2's last choice)
+stays there: the inverse finds every dim it transforms local. A dim
 sharded on a grid axis of one rank counts as local and stays sharded.
 
 Refused (UnsupportedOpError on every rank)
@@ -118,9 +121,12 @@ def _target(func, dec: Decomposition, d: int, done, pending) -> int:
     ranks = dec.grid.dims[axis]
     shape = dec.global_shape
     free = [t for t in range(dec.ndim) if t != d and t not in dec.shard and shape[t] >= ranks]
+    # A transform dim before any other: the result then comes out sharded on a
+    # frequency dim, where the channel mixing that follows a transform (an FNO's
+    # einsum) stays local; on the channels it would contract a sharded dim.
     tiers = ([t for t in free if t in done],
-             sorted((t for t in free if t not in pending), key=lambda t: (-shape[t], t)),
-             sorted((t for t in free if t in pending), key=lambda t: (-shape[t], t)))
+             sorted((t for t in free if t in pending), key=lambda t: (-shape[t], t)),
+             sorted((t for t in free if t not in pending), key=lambda t: (-shape[t], t)))
     for tier in tiers:
         if tier:
             return min(tier) if tier is tiers[0] else tier[0]

@@ -104,6 +104,9 @@ def op_name(func: Any) -> str:
     module = getattr(func, "__module__", None) or ""
     if module.startswith("torch.nn.functional"):
         return f"torch.nn.functional.{name}"
+    for sub in ("fft", "special", "linalg"):  # torch.fft.rfft2 is named fft_rfft2
+        if module in (f"torch.{sub}", f"torch._C._{sub}") and name.startswith(sub + "_"):
+            return f"torch.{sub}.{name[len(sub) + 1:]}"
     return f"torch.{name}"
 
 
