@@ -1,0 +1,249 @@
+"""Model: a domain-parallel torch model loaded from an entry point, run on fields.
+
+Entry points:
+- ``"package.module:factory"``: imported with the interpreter's ``sys.path``
+  (the venv's site-packages, plus ``PYTHONPATH``);
+- ``"/path/to/file.py:factory"``: a module loaded from that file, so a
+  simulation can ship its surrogate next to its sources without packaging it.
+
+The factory is called with the keyword arguments given as JSON and must return a
+``torch.nn.Module`` that runs on DomainTensors. The seed is set before the call
+and the parameters are broadcast from rank 0 (``DomainParallel``), so every rank
+holds the same replicated model whatever the factory does.
+
+TorchScript files are refused with a readable error: a scripted module runs its
+ops below ``__torch_function__``, where a DomainTensor holds no data, so it
+cannot run domain-parallel; the factory route covers the same models.
+
+Options (JSON): ``optimizer`` (a name, or ``{"name": ..., **kwargs}`` for
+torch.optim: sgd, adam, adamw, rmsprop; none means inference only), ``loss``
+(mse, l1, smooth_l1; default mse), ``dtype`` (float32/float64: the parameters
+are converted), ``device`` (cpu or cuda), ``seed`` (default 0).
+"""
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from ..comm.grid import ProcessGrid
+from .errors import ARGUMENT, IMPORT, IO, MODEL, CouplingError, Stage, describe
+
+OPTIMIZERS = {"sgd": torch.optim.SGD, "adam": torch.optim.Adam, "adamw": torch.optim.AdamW,
+              "rmsprop": torch.optim.RMSprop}
+LOSSES = {"mse": F.mse_loss, "l1": F.l1_loss, "smooth_l1": F.smooth_l1_loss}
+DTYPES = {"float32": torch.float32, "float64": torch.float64}
+_OPTION_KEYS = {"optimizer", "loss", "dtype", "device", "seed"}
+
+
+def parse_json(text: str | None, what: str) -> dict:
+    """Local. A JSON object from a C string; empty or NULL means {}."""
+    if not text or not text.strip():
+        return {}
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise CouplingError(ARGUMENT, f"{what} is not valid JSON ({exc}): {text!r}") from None
+    if not isinstance(value, dict):
+        raise CouplingError(ARGUMENT, f"{what} must be a JSON object, got {text!r}")
+    return value
+
+
+def resolve(entry: str):
+    """Local. The callable an entry point names; IMPORT if there is none."""
+    module_name, sep, attr = (entry or "").rpartition(":")
+    if not sep or not module_name or not attr:
+        if entry and Path(entry).suffix in (".pt", ".pth", ".ts", ".torchscript"):
+            raise CouplingError(IMPORT, f"{entry!r}: TorchScript models cannot run on "
+                                        f"DomainTensors (scripted ops bypass domainpar's "
+                                        f"dispatch); give a Python factory 'module:function'")
+        raise CouplingError(IMPORT, f"entry point {entry!r}: expected 'package.module:factory' "
+                                    f"or '/path/to/file.py:factory'")
+    try:
+        if module_name.endswith(".py"):
+            path = Path(module_name)
+            if not path.is_file():
+                raise FileNotFoundError(f"no file {module_name}")
+            name = f"_domainpar_entry_{abs(hash(str(path.resolve())))}"
+            spec = importlib.util.spec_from_file_location(name, path)
+            module = importlib.util.module_from_spec(spec)
+            sys.modules[name] = module  # dataclasses and pickling look modules up here
+            spec.loader.exec_module(module)
+        else:
+            module = importlib.import_module(module_name)
+    except Exception as exc:  # noqa: BLE001 - ImportError, SyntaxError, errors at import
+        # Where importlib gave up says nothing; where the module itself raised does.
+        why = (f"{type(exc).__name__}: {exc}" if isinstance(exc, (ImportError, OSError))
+               else describe(exc))
+        raise CouplingError(IMPORT, f"entry point {entry!r} does not import: {why}") from None
+    obj = module
+    for part in attr.split("."):
+        if not hasattr(obj, part):
+            raise CouplingError(IMPORT, f"entry point {entry!r}: module {module_name!r} has "
+                                        f"no attribute {attr!r}")
+        obj = getattr(obj, part)
+    if not callable(obj):
+        raise CouplingError(IMPORT, f"entry point {entry!r} names a {type(obj).__name__}, "
+                                    f"not a callable")
+    return obj
+
+
+class Model:
+    """Collective to create (``Model.load``). A replicated model, its optimizer and
+    loss, run on Fields of one grid."""
+
+    @classmethod
+    def load(cls, grid: ProcessGrid, entry: str, kwargs_json: str | None,
+             options_json: str | None) -> "Model":
+        from ..nn import DomainParallel
+        stage = Stage(grid.comm)
+        self = cls.__new__(cls)
+        self.grid = grid
+        stage.run(ARGUMENT, self._options, kwargs_json, options_json)
+        stage.agree()
+        factory = stage.run(IMPORT, resolve, entry)
+        stage.agree()
+        module = stage.run(MODEL, self._build, factory)
+        stage.agree()
+        # Collective: the broadcast from rank 0 makes every rank's copy equal.
+        self.module = stage.run(MODEL, DomainParallel, module, grid, overlap=False)
+        stage.agree()
+        self.inner = module
+        self.optimizer = stage.run(ARGUMENT, self._optimizer)
+        stage.agree()
+        self.steps = 0
+        return self
+
+    def _options(self, kwargs_json, options_json):
+        self.kwargs = parse_json(kwargs_json, "the factory's keyword arguments")
+        options = parse_json(options_json, "the model options")
+        unknown = set(options) - _OPTION_KEYS
+        if unknown:
+            raise CouplingError(ARGUMENT, f"unknown model options {sorted(unknown)}; known: "
+                                          f"{sorted(_OPTION_KEYS)}")
+        self.options = options
+        loss = options.get("loss", "mse")
+        if loss not in LOSSES:
+            raise CouplingError(ARGUMENT, f"loss {loss!r}: use one of {sorted(LOSSES)}")
+        self.loss_fn = LOSSES[loss]
+        dtype = options.get("dtype")
+        if dtype is not None and dtype not in DTYPES:
+            raise CouplingError(ARGUMENT, f"dtype {dtype!r}: use one of {sorted(DTYPES)}")
+        self.dtype = DTYPES.get(dtype)
+        self.device = torch.device(options.get("device", "cpu"))
+        self.seed = int(options.get("seed", 0))
+
+    def _build(self, factory):
+        torch.manual_seed(self.seed)
+        module = factory(**self.kwargs)
+        if not isinstance(module, torch.nn.Module):
+            raise CouplingError(MODEL, f"the factory returned a {type(module).__name__}, not a "
+                                       f"torch.nn.Module")
+        return module.to(device=self.device, dtype=self.dtype)
+
+    def _optimizer(self):
+        spec = self.options.get("optimizer")
+        if spec in (None, "", "none"):
+            return None
+        spec = {"name": spec} if isinstance(spec, str) else dict(spec)
+        name = str(spec.pop("name", "")).lower()
+        if name not in OPTIMIZERS:
+            raise CouplingError(ARGUMENT, f"optimizer {name!r}: use one of {sorted(OPTIMIZERS)}")
+        try:
+            return OPTIMIZERS[name](self.inner.parameters(), **spec)
+        except (TypeError, ValueError) as exc:
+            raise CouplingError(ARGUMENT, f"optimizer {name!r} with {spec}: {exc}") from None
+
+    # -- running (collective: the model's ops communicate) ------------------------------
+    def _check_input(self, *tensors) -> None:
+        """Local. ARGUMENT for a field whose dtype or device is not the model's."""
+        param = next(self.inner.parameters(), None)
+        for t in tensors:
+            if param is not None and (t.dtype != param.dtype or t.device != param.device):
+                raise CouplingError(ARGUMENT, f"a field of {t.dtype} on {t.device} meets a "
+                                              f"model of {param.dtype} on {param.device} "
+                                              f"(the option \"dtype\" converts the model)")
+
+    def infer(self, x, out_field) -> None:
+        """Collective. ``out_field`` <- model(x), in eval mode without autograd."""
+        stage = Stage(self.grid.comm)
+        stage.run(ARGUMENT, self._check_input, x)
+        stage.agree()
+
+        def forward():
+            self.module.eval()
+            with torch.no_grad():
+                return self.module(x)
+        y = stage.run(MODEL, forward)
+        stage.agree()
+        stage.run(MODEL, out_field.write, y)
+        stage.agree()
+
+    def train_step(self, x, target) -> float:
+        """Collective. One optimizer step on loss(model(x), target); returns the
+        loss before the step (replicated, the same on every rank)."""
+        stage = Stage(self.grid.comm)
+        if self.optimizer is None:
+            stage.fail(ARGUMENT, "this model was loaded without an optimizer (option "
+                                 "\"optimizer\"): it can only infer")
+        stage.run(ARGUMENT, self._check_input, x, target)
+        stage.agree()
+
+        def forward():
+            self.module.train()
+            self.optimizer.zero_grad(set_to_none=True)
+            return self.module(x)
+        # Agreed between forward and the rest: the loss and backward communicate,
+        # so a forward that failed on some ranks only must stop every rank here.
+        y = stage.run(MODEL, forward)
+        stage.agree()
+
+        def step():
+            loss = self.loss_fn(y, target)
+            loss.backward()
+            self.optimizer.step()
+            return float(loss.detach())
+        loss = stage.run(MODEL, step)
+        stage.agree()
+        self.steps += 1
+        return loss
+
+    # -- checkpoints --------------------------------------------------------------------
+    def save(self, path: str) -> None:
+        """Collective. Rank 0 writes parameters, buffers, optimizer state and the step
+        count (replicated: one copy is the whole model); written to a temporary
+        name first, so a crash never leaves a torn checkpoint under ``path``."""
+        stage = Stage(self.grid.comm)
+        if self.grid.rank == 0:
+            def write():
+                state = {"model": self.inner.state_dict(), "steps": self.steps,
+                         "optimizer": self.optimizer.state_dict() if self.optimizer else None}
+                tmp = f"{path}.tmp{os.getpid()}"
+                torch.save(state, tmp)
+                os.replace(tmp, path)
+            stage.run(IO, write)
+        stage.agree()
+
+    def load_checkpoint(self, path: str) -> None:
+        """Collective. Rank 0 reads ``path`` and broadcasts it, so only rank 0 needs
+        to see the file; every rank then loads the same state."""
+        stage = Stage(self.grid.comm)
+        state = None
+        if self.grid.rank == 0:
+            state = stage.run(IO, torch.load, path, map_location="cpu", weights_only=True)
+        stage.agree()
+        state = self.grid.comm.bcast(state, root=0)
+
+        def apply():
+            self.inner.load_state_dict(state["model"])
+            if self.optimizer is not None and state.get("optimizer") is not None:
+                self.optimizer.load_state_dict(state["optimizer"])
+            self.steps = int(state.get("steps", 0))
+        stage.run(MODEL, apply)
+        stage.agree()
