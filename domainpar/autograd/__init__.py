@@ -15,7 +15,7 @@ from mpi4py import MPI
 from ..comm import HaloExchange
 from ..comm.decomposition import Decomposition
 from .primitives import (Allgather, AllreduceSum, Broadcast, Gather, HaloAccumulate, HaloFill,
-                         MirrorExchange, Repartition, Scatter, Shard, allreduce_tensor)
+                         MirrorExchange, Repartition, RingShift, Scatter, Shard, allreduce_tensor)
 
 
 def halo_fill(padded: torch.Tensor, halo: HaloExchange) -> torch.Tensor:
@@ -77,7 +77,19 @@ def mirror(block: torch.Tensor, comm: MPI.Comm, recv_shape) -> torch.Tensor:
     return MirrorExchange.apply(block.contiguous(), comm, tuple(recv_shape))
 
 
+def ring_shift(block: torch.Tensor, comm: MPI.Comm, recv_shape=None,
+               shift: int = 1) -> torch.Tensor:
+    """Pairwise collective over the 1-D ``comm``. The block of the rank ``shift``
+    places back around the ring (``(rank - shift) % size``), of shape
+    ``recv_shape`` (default: ``block``'s); this rank's block goes ``shift``
+    places on."""
+    if comm.Get_size() == 1:
+        return block
+    shape = block.shape if recv_shape is None else recv_shape
+    return RingShift.apply(block.contiguous(), comm, tuple(shape), int(shift))
+
+
 __all__ = ["Allgather", "AllreduceSum", "Broadcast", "Gather", "HaloAccumulate", "HaloFill",
-           "MirrorExchange", "Repartition", "Scatter", "Shard", "allgather", "allreduce_sum",
-           "allreduce_tensor", "broadcast", "gather", "halo_accumulate", "halo_fill", "mirror",
-           "repartition", "scatter", "shard"]
+           "MirrorExchange", "Repartition", "RingShift", "Scatter", "Shard", "allgather",
+           "allreduce_sum", "allreduce_tensor", "broadcast", "gather", "halo_accumulate",
+           "halo_fill", "mirror", "repartition", "ring_shift", "scatter", "shard"]

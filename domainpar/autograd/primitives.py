@@ -18,6 +18,7 @@ Allgather (-> replicated)  slice this rank's block (Shard's forward)
 Shard (replicated -> blk)  allgatherv (Allgather's forward)
 Repartition src -> dst     repartition dst -> src
 MirrorExchange c <-> P-1-c  the same exchange (an involution)
+RingShift c -> c+s         the shift the other way, c -> c-s
 =========================  ==========================================
 
 A value is *replicated* when every rank of the communicator holds the same
@@ -230,4 +231,29 @@ class MirrorExchange(torch.autograd.Function):
 def _mirror(block: torch.Tensor, comm: MPI.Comm, recv_shape) -> torch.Tensor:
     out = torch.empty(recv_shape, dtype=block.dtype, device=block.device)
     collectives.mirror_exchange(to_array(block), to_array(out), comm)
+    return out
+
+
+# -- ring shift (the data movement of ring attention) ----------------------------------------
+class RingShift(torch.autograd.Function):
+    """Pairwise collective over ``comm`` (a 1-D axis communicator). Every rank sends
+    its block to the rank ``shift`` places on around the ring and receives the
+    block of the rank ``shift`` places back, of shape ``recv_shape``. A
+    permutation, so the adjoint is its inverse: the shift the other way, with
+    the shapes swapped."""
+
+    @staticmethod
+    def forward(ctx, block: torch.Tensor, comm: MPI.Comm, recv_shape, shift: int):
+        ctx.comm, ctx.send_shape, ctx.shift = comm, tuple(block.shape), shift
+        return _ring(block, comm, tuple(recv_shape), shift)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return RingShift.apply(grad.contiguous(), ctx.comm, ctx.send_shape, -ctx.shift), \
+            None, None, None
+
+
+def _ring(block: torch.Tensor, comm: MPI.Comm, recv_shape, shift: int) -> torch.Tensor:
+    out = torch.empty(recv_shape, dtype=block.dtype, device=block.device)
+    collectives.ring_shift([to_array(block)], [to_array(out)], comm, shift).wait()
     return out

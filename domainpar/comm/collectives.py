@@ -1,5 +1,6 @@
 """Collectives on arrays laid out by a Decomposition: allreduce, allgatherv,
-scatterv, gatherv and repartition (alltoallv).
+scatterv, gatherv and repartition (alltoallv); and the nonblocking ring shift
+along one grid axis (ring attention's point-to-point messages).
 
 Block data travels as bytes, so every dtype numpy or CuPy knows (complex,
 float16, bool) moves unchanged; only allreduce needs MPI arithmetic types.
@@ -375,3 +376,68 @@ def _repartition_plan(src: Decomposition, dst: Decomposition, itemsize: int):
 
 def _box_size(box) -> int:
     return 0 if box is None else int(np.prod([s.stop - s.start for s in box]))
+
+
+# -- ring shift (point to point along one grid axis) --------------------------------------------
+RING_TAG = 83  # tags RING_TAG + i for the i-th array of one shift
+
+
+class PendingShift:
+    """A started ``ring_shift``: ``test()`` drives it on, ``wait()`` completes it
+    (and copies receives staged through the host back to the device)."""
+
+    def __init__(self, requests, staged, keep):
+        self.requests, self._staged, self._keep = requests, staged, keep
+
+    def test(self) -> bool:
+        """Let MPI move the messages on (without a progress thread it does so only
+        inside calls); True once every message has arrived."""
+        return not self.requests or MPI.Request.Testall(self.requests)
+
+    def wait(self) -> None:
+        if self.requests:
+            MPI.Request.Waitall(self.requests)
+        for wire, arr in self._staged:
+            buffers.namespace(arr).copyto(arr, _from_wire(wire, arr).reshape(arr.shape))
+        self.requests, self._staged, self._keep = [], [], []
+
+
+def _bytes_of(arr):
+    if not arr.flags.c_contiguous:
+        raise LayoutError("ring_shift needs C-contiguous arrays (they are sent and received "
+                          "in place)")
+    return [arr.reshape(-1).view(np.uint8), MPI.BYTE]
+
+
+def ring_shift(send, recv, comm: MPI.Comm, shift: int = 1, tag: int = RING_TAG) -> PendingShift:
+    """Nonblocking pairwise collective over ``comm`` (1-D: one grid axis, ranks in
+    coordinate order). Start sending every array of the list ``send`` to the rank
+    ``shift`` places on around the ring and receiving the arrays of the rank
+    ``shift`` places back into the list ``recv``; returns the pending shift.
+
+    Every array is C-contiguous and is handed to MPI as it is (zero-copy; device
+    arrays too with CUDA-aware MPI, staged through the host otherwise). The
+    ``recv`` arrays must have the sender's sizes, which callers derive from a
+    layout every rank shares (no agreement check). Neither list may be touched
+    before ``wait()``. One rank on the axis, or a full turn: a local copy.
+    """
+    sends = [buffers.as_array(a) for a in send]
+    recvs = [buffers.as_array(a) for a in recv]
+    size, rank = comm.Get_size(), comm.Get_rank()
+    dest, source = (rank + shift) % size, (rank - shift) % size
+    if dest == rank:
+        for s, r in zip(sends, recvs):
+            buffers.namespace(r).copyto(r, s.reshape(r.shape))
+        return PendingShift([], [], [])
+    requests, staged, keep = [], [], []
+    for i, r in enumerate(recvs):
+        wire = r
+        if buffers.is_device(r) and not runtime.cuda_aware_mpi()[0]:
+            wire = np.empty(r.shape, r.dtype)
+            staged.append((wire, r))
+        requests.append(comm.Irecv(_bytes_of(wire), source=source, tag=tag + i))
+    for i, s in enumerate(sends):
+        wire = _to_wire(s)
+        keep.append(wire)
+        requests.append(comm.Isend(_bytes_of(wire), dest=dest, tag=tag + i))
+    return PendingShift(requests, staged, keep)
