@@ -111,6 +111,13 @@ def _bench_conv(args) -> int:
     return 0
 
 
+def _bench_attention(args) -> int:
+    from .bench import attention
+    attention.run(tokens=args.tokens, heads=args.heads, head_dim=args.head_dim,
+                  causal=args.causal, repeats=args.repeats, out=args.out)
+    return 0
+
+
 def _add_nprocs(parser: argparse.ArgumentParser) -> None:
     """The ranks option every MPI benchmark takes."""
     parser.add_argument("-n", "--nprocs", type=_positive(int), default=2,
@@ -183,6 +190,29 @@ def build_parser() -> argparse.ArgumentParser:
                        help="timed steps per variant (default 7)")
     grads.add_argument("--out", default="bench-out/grads.json", help="JSON output path")
     grads.set_defaults(run=_bench_grads)
+
+    attention = bench_sub.add_parser(
+        "attention", help="ring attention (SDPA) on N ranks against one process: speedup, "
+                          "exposed communication, per-rank memory",
+        description="F.scaled_dot_product_attention forward and .sum().backward() on q, k, v "
+                    "of shape (1, heads, T, head_dim), float32, sharded along the sequence "
+                    "over all ranks (ring attention), against torch's fused kernel on the "
+                    "whole tensors in one process, interleaved step by step in one job. "
+                    "Reports per sequence length the speedup, the ring's communication left "
+                    "exposed beside the same transfers alone, and the live-tensor peak per "
+                    "rank against one process. Prints a table; writes JSON.")
+    _add_nprocs(attention)
+    attention.add_argument("--tokens", type=_positive(int), nargs="+",
+                           default=[16384, 32768, 65536],
+                           help="sequence lengths (default: 16384 32768 65536)")
+    attention.add_argument("--heads", type=_positive(int), default=1, help="heads (default 1)")
+    attention.add_argument("--head-dim", type=_positive(int), default=32,
+                           help="channels per head (default 32)")
+    attention.add_argument("--causal", action="store_true", help="is_causal=True")
+    attention.add_argument("--repeats", type=_positive(int), default=3,
+                           help="timed steps per side (default 3)")
+    attention.add_argument("--out", default="bench-out/attention.json", help="JSON output path")
+    attention.set_defaults(run=_bench_attention)
 
     conv = bench_sub.add_parser(
         "conv", help="conv forward+backward on N ranks against one process: speedup, "

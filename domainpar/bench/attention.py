@@ -1,0 +1,159 @@
+"""`domainpar bench attention`: ring attention on N ranks against one process.
+
+The case: F.scaled_dot_product_attention on q, k, v of shape (1, heads, T,
+head_dim), float32, T from 16k to 64k tokens, sharded along the sequence over
+a 1-D grid of all ranks, one torch thread per rank. A step is forward and
+``.sum().backward()`` (q, k and v gradients). The one-process step is torch's
+own fused CPU kernel on the whole tensors. Measured, per sequence length:
+
+- step time on N ranks and in one process, interleaved step by step in one
+  N-rank job (``timing.time_on_rank0`` says why that is fair); the speedup is
+  the ratio of the medians;
+- communication left exposed by the ring: the time each rank spends waiting
+  for k/v blocks (forward) and k/v plus their gradients (backward) that have
+  not arrived when the computation on the previous block is done; beside it
+  the same transfers with no computation to hide behind (``transfer_s``), so
+  exposed / transfer is the share the overlap did not hide;
+- peak memory of live tensors during the step (torch's allocator, from the
+  profiler): per rank against one process. Both stay O(T) (no T x T scores);
+  the ring's per-rank share is O(T / N).
+
+Runs under the MPI launcher (``-n`` relaunches itself under mpiexec); rank 0
+prints a table and writes JSON.
+"""
+from __future__ import annotations
+
+import json
+import os
+import platform
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from mpi4py import MPI
+
+from .timing import live_tensor_peak_kib, median, on_rank0, time_on_rank0
+
+DEFAULT_TOKENS = (16384, 32768, 65536)
+
+
+def _inputs(tokens: int, heads: int, head_dim: int, dtype, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn((1, heads, tokens, head_dim), generator=g, dtype=dtype)
+            for _ in range(3)]
+
+
+def _step(q, k, v, causal: bool):
+    """Forward and backward; the leaves' gradients are dropped afterwards."""
+    leaves = [t.detach().requires_grad_(True) for t in (q, k, v)]
+    F.scaled_dot_product_attention(*leaves, is_causal=causal).sum().backward()
+
+
+def _sharded(tensors, grid):
+    from ..testing import shard_like
+    return [shard_like(t, grid, {2: 0}) for t in tensors]
+
+
+def _ring_step(blocks, causal: bool) -> dict:
+    """Collective. One N-rank step: slowest rank's wall time; each rank's wait."""
+    from ..ops import attention
+    comm = blocks[0].grid.comm
+    comm.Barrier()
+    attention.RING_WAIT.reset()
+    t0 = time.perf_counter()
+    _step(*blocks, causal)
+    mine = (time.perf_counter() - t0, attention.RING_WAIT.seconds)
+    per_rank = comm.allgather(mine)
+    return {"wall": max(r[0] for r in per_rank), "wait": [r[1] for r in per_rank]}
+
+
+def _transfer_time(blocks, repeats: int) -> float:
+    """Collective. The ring's messages alone, with nothing to overlap: N - 1
+    shifts of k and v (forward), then N shifts of k, v and two gradient
+    accumulators of their sizes (backward)."""
+    from .. import autograd as ag
+    from ..tensor import layout
+    comm = layout.comm_of(blocks[1].decomposition, (2,))
+    n = comm.Get_size()
+    kv = [blocks[1].to_local().detach(), blocks[2].to_local().detach()]
+    samples = []
+    for _ in range(repeats):
+        comm.Barrier()
+        t0 = time.perf_counter()
+        for _ in range(n - 1):
+            kv = [ag.ring_shift(t, comm) for t in kv]
+        with_grads = kv + [t.clone() for t in kv]
+        for _ in range(n):
+            with_grads = [ag.ring_shift(t, comm) for t in with_grads]
+        samples.append(comm.allreduce(time.perf_counter() - t0, op=MPI.MAX))
+    return median(samples)
+
+
+def run(tokens=DEFAULT_TOKENS, heads: int = 1, head_dim: int = 32, causal: bool = False,
+        repeats: int = 3, out: str = "bench-out/attention.json", log=print) -> dict:
+    """Collective. Every sequence length, N ranks against one process."""
+    from ..comm import ProcessGrid, init
+    comm = init()
+    rank, size = comm.Get_rank(), comm.Get_size()
+    torch.set_num_threads(1)
+    grid = ProcessGrid((size,))
+    say = log if rank == 0 else (lambda *a, **k: None)
+    say(f"domainpar bench attention: SDPA forward+backward, (1, {heads}, T, {head_dim}) float32, "
+        f"{'causal' if causal else 'not causal'}, {size} ranks against one process, "
+        f"{repeats} steps each, interleaved", flush=True)
+    load = [os.getloadavg()]
+    results = {}
+    for t in tokens:
+        whole = _inputs(t, heads, head_dim, torch.float32)
+        blocks = _sharded(whole, grid)
+        _ring_step(blocks, causal)  # warm-up: plans, buffers, first-call costs
+        time_on_rank0(comm, lambda: _step(*whole, causal))
+        ring, single = [], []
+        for i in range(repeats):
+            ring.append(_ring_step(blocks, causal))
+            single.append(time_on_rank0(comm, lambda: _step(*whole, causal)))
+            say(f"  T={t}: step {i + 1}/{repeats}: {size} ranks {ring[-1]['wall']:.2f} s, "
+                f"one process {single[-1]['wall']:.2f} s", flush=True)
+        transfer = _transfer_time(blocks, repeats)
+        mem_ring = comm.allgather(live_tensor_peak_kib(lambda: _step(*blocks, causal)))
+        mem_one = on_rank0(comm, lambda: live_tensor_peak_kib(lambda: _step(*whole, causal)))
+        wall, wall1 = median([r["wall"] for r in ring]), median([s["wall"] for s in single])
+        exposed = median([max(r["wait"]) for r in ring])
+        results[str(t)] = {
+            "tokens": t, "local_tokens": list(blocks[0].decomposition.block_sizes(2)),
+            "median_step_s": {"ranks": wall, "one_process": wall1}, "speedup": wall1 / wall,
+            "ring_wait_exposed_s": exposed, "transfer_s": transfer,
+            "exposed_fraction_of_step": exposed / wall,
+            "exposed_fraction_of_transfer": exposed / transfer if transfer else float("nan"),
+            "live_tensor_peak_mib": {"per_rank": max(mem_ring) / 1024,
+                                     "one_process": mem_one / 1024},
+            "memory_ratio": max(mem_ring) / mem_one if mem_one else float("nan"),
+            "samples": {"ranks": ring, "one_process": single},
+        }
+    load.append(os.getloadavg())
+    report = {"benchmark": "attention", "ranks": size, "host": platform.node(),
+              "cpus": os.cpu_count(), "loadavg_start_end": load, "torch": torch.__version__,
+              "torch_threads_per_rank": 1, "heads": heads, "head_dim": head_dim,
+              "causal": causal, "dtype": "float32", "cases": results}
+    if rank == 0:
+        _print(report, log)
+        path = Path(out)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(report, indent=1))
+        log(f"JSON: {path}")
+    return report
+
+
+def _print(report: dict, log) -> None:
+    n = report["ranks"]
+    log(f"\n{'tokens':>7} {'1 proc s':>9} {f'{n} ranks s':>10} {'speedup':>8} "
+        f"{'exposed ms':>11} {'transfer ms':>12} {'live MiB 1 proc':>16} "
+        f"{'per rank':>9} {'ratio':>6}")
+    for c in report["cases"].values():
+        m, mem = c["median_step_s"], c["live_tensor_peak_mib"]
+        log(f"{c['tokens']:>7} {m['one_process']:9.2f} {m['ranks']:10.2f} {c['speedup']:8.2f} "
+            f"{c['ring_wait_exposed_s'] * 1e3:11.1f} {c['transfer_s'] * 1e3:12.1f} "
+            f"{mem['one_process']:16.1f} {mem['per_rank']:9.1f} {c['memory_ratio']:6.2f}")
+    log(f"Load average {report['loadavg_start_end'][0][0]:.1f} at the start, "
+        f"{report['cpus']} CPUs.")
