@@ -15,6 +15,7 @@ keeps a correct sharding through the reshape.
 from __future__ import annotations
 
 import functools
+import math
 
 import pytest
 import torch
@@ -75,28 +76,33 @@ def test_vit_training_matches_one_process(case):
     assert_same_state(model, losses, _vit_reference(b, h, w))
 
 
-def test_tokens_of_a_sharded_field_keep_a_correct_sharding():
-    """patchify (strided conv) -> flatten -> transpose: the token dim is sharded
-    with each rank holding whole rows of patches, in order, and the values and
-    gradients are one process's."""
-    h, w, patch = 40, 24, 4
+@pytest.mark.parametrize("spatial", [(40, 24), (20, 8, 12)], ids=["2d", "3d"])
+def test_tokens_of_a_sharded_field_keep_a_correct_sharding(spatial):
+    """patchify (strided conv) -> flatten -> transpose, of a 2-D or 3-D field
+    sharded on its first spatial dim: the token dim is sharded with each rank
+    holding whole slabs of patches, in order, and the values and gradients are
+    one process's."""
+    patch = 4
     grid = dp.ProcessGrid((SIZE,))
-    sizes = {2: [0] + [h // (SIZE - 1)] * (SIZE - 2) + [h - h // (SIZE - 1) * (SIZE - 2)]} \
+    n = spatial[0]
+    sizes = {2: [0] + [n // (SIZE - 1)] * (SIZE - 2) + [n - n // (SIZE - 1) * (SIZE - 2)]} \
         if SIZE > 2 else None
     torch.manual_seed(0)
-    embed = torch.nn.Conv2d(3, 8, patch, stride=patch).double()
+    conv = (torch.nn.Conv2d, torch.nn.Conv3d)[len(spatial) - 2]
+    embed = conv(3, 8, patch, stride=patch).double()
 
     def tokens(x):
         return embed(x).flatten(2).transpose(1, 2)
 
-    x = _field((2, 3, h, w), 1)[0]
+    x = _field((2, 3, *spatial), 1)[0]
     assert_matches_single_process(tokens, x, grid, {2: 0}, sizes=sizes)
     t = tokens(shard_like(x, grid, {2: 0}, sizes))
-    dec = t.decomposition
-    assert dec.shard == {1: 0}
+    assert t.decomposition.shard == {1: 0}
     rows = shard_like(x, grid, {2: 0}, sizes).decomposition.block_sizes(2)
     starts = [-(-o // patch) for o in (0, *[sum(rows[:i + 1]) for i in range(SIZE)])]
-    assert list(dec.block_sizes(1)) == [(b - a) * (w // patch) for a, b in zip(starts, starts[1:])]
+    per_slab = math.prod(s // patch for s in spatial[1:])
+    assert list(t.decomposition.block_sizes(1)) == [(b - a) * per_slab
+                                                    for a, b in zip(starts, starts[1:])]
 
 
 # -- FNO ---------------------------------------------------------------------------------------
