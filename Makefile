@@ -69,13 +69,14 @@ export MPIEXEC
 MPI_RUN_ENV := OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 \
 	OMPI_MCA_rmaps_base_oversubscribe=1
 
-.PHONY: help setup sysdeps kernels test demo clean distclean FORCE
+.PHONY: help setup sysdeps kernels test demo coupling clean distclean FORCE
 
 help:
 	@echo "make demo       set up, then run 'domainpar info' and examples/halo_demo.py on 4 ranks"
 	echo "make test       set up, then serial tests and MPI tests on $(NP_LIST) ranks"
 	echo "make setup      only the setup: apt packages, .venv, parallel h5py, package, kernels"
 	echo "make kernels    (re)build the native kernels with CMake when their sources changed"
+	echo "make coupling   build the C/Fortran coupling examples and run each on 4 ranks"
 	echo "make clean      remove build/ and domainpar/_native/ (keeps .venv)"
 	echo "make distclean  also remove .venv (the h5py wheel cache in $(H5PY_WHEEL_CACHE) stays)"
 
@@ -250,6 +251,16 @@ demo: setup
 	@set -x
 	$(VENV)/bin/domainpar info
 	env $(MPI_RUN_ENV) timeout -k 10 600 $(MPIEXEC) -n 4 $(abspath $(PY)) examples/halo_demo.py
+
+# The coupling examples: C and Fortran simulations training a domainpar model
+# online (examples/coupling/README.md). CMake builds them with the kernels; the
+# explicit build catches edits to examples/coupling/, which the stamp ignores.
+coupling: setup
+	@cmake --build build -j$(JOBS) --target heat2d_c heat2d_f
+	for exe in heat2d_c heat2d_f; do
+		echo "==> mpiexec -n 4 build/examples/coupling/$$exe"
+		env $(MPI_RUN_ENV) timeout -k 10 600 $(MPIEXEC) -n 4 build/examples/coupling/$$exe
+	done
 
 clean:
 	@rm -rf build domainpar/_native

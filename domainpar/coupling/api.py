@@ -15,19 +15,17 @@ from __future__ import annotations
 import functools
 import gc
 
-import mpi4py
+# The simulation owns MPI (it calls MPI_Init and MPI_Finalize): libdomainpar
+# sets mpi4py.rc.initialize and rc.finalize to False before it imports this
+# module. Not here: imported into a plain Python process (the tests), mpi4py
+# must go on initialising MPI as usual.
+from mpi4py import MPI
 
-# The simulation owns MPI: it called MPI_Init and will call MPI_Finalize. This
-# must happen before mpi4py.MPI is first imported (domainpar imports it).
-mpi4py.rc.initialize = False
-mpi4py.rc.finalize = False
-from mpi4py import MPI  # noqa: E402
-
-from ..comm.grid import ProcessGrid  # noqa: E402
-from . import errors  # noqa: E402
-from .errors import ARGUMENT, PYTHON, STATE, CouplingError, Stage  # noqa: E402
-from .field import Field  # noqa: E402
-from .model import Model  # noqa: E402
+from ..comm.grid import ProcessGrid
+from . import errors
+from .errors import ARGUMENT, PYTHON, STATE, CouplingError, Stage
+from .field import Field
+from .model import Model
 
 
 class _Session:

@@ -59,15 +59,16 @@ def agree(comm: MPI.Comm | None, problem: tuple[int, str] | None) -> None:
     The code is that of the lowest failing rank; the message names the failing
     ranks, or says "every rank" once when all failed alike.
     """
-    if comm is None or comm.Get_size() == 1:
-        if problem:
-            raise CouplingError(*problem)
+    alone = comm is None or comm.Get_size() == 1
+    if alone and problem is None:
         return
-    flag = np.array([problem is not None], dtype=np.int32)
-    comm.Allreduce(MPI.IN_PLACE, flag, op=MPI.MAX)
-    if not flag[0]:
-        return
-    stories = comm.allgather(problem)
+    if not alone:
+        flag = np.array([problem is not None], dtype=np.int32)
+        comm.Allreduce(MPI.IN_PLACE, flag, op=MPI.MAX)
+        if not flag[0]:
+            return
+    # One process words it like many: "every rank: ...", so messages read alike.
+    stories = [problem] if alone else comm.allgather(problem)
     failing = [(r, p) for r, p in enumerate(stories) if p is not None]
     code = failing[0][1][0]
     if len(failing) == len(stories) and len({p for _, p in failing}) == 1:

@@ -106,6 +106,17 @@ static int start_python(void) {
     started_python = 1;
   }
   PyGILState_STATE gil = PyGILState_Ensure();
+  /* The simulation owns MPI: mpi4py must neither initialise nor finalize it.
+   * (mpi4py reads rc when mpi4py.MPI is first imported, by domainpar.) */
+  PyObject *mpi4py = PyImport_ImportModule("mpi4py");
+  PyObject *rc_options = mpi4py ? PyObject_GetAttrString(mpi4py, "rc") : NULL;
+  if (rc_options) {
+    PyObject_SetAttrString(rc_options, "initialize", Py_False);
+    PyObject_SetAttrString(rc_options, "finalize", Py_False);
+  }
+  Py_XDECREF(rc_options);
+  Py_XDECREF(mpi4py);
+  PyErr_Clear();  /* without mpi4py the import below fails and says so */
   api = PyImport_ImportModule("domainpar.coupling.api");
   int rc = DP_OK;
   if (!api) {
