@@ -151,9 +151,18 @@ def _field(a, shape, ghosts=(1, 1)):
     return handle
 
 
-def test_online_training_equals_one_process(session):
+def load_surrogate_module():
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("heat_surrogate_ref", SURROGATE.split(":")[0])
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def train_and_compare(session, entry, kwargs, options, reference):
     """Three train steps through the api, then inference: the same losses and
-    output as plain torch on the gathered fields, fp64."""
+    output as ``reference`` (a plain module, the model's twin) trained with the
+    same Adam in one process on the gathered fields, fp64."""
     grid = dp.ProcessGrid.from_comm(session)
     (x0, nx), (y0, ny) = block_of(grid)
     rng = np.random.default_rng(5)
@@ -164,9 +173,7 @@ def test_online_training_equals_one_process(session):
     u[1:-1, 1:-1], t[1:-1, 1:-1] = gu[x0:x0 + nx, y0:y0 + ny], gt[x0:x0 + nx, y0:y0 + ny]
     fu, ft = _field(u, (nx, ny)), _field(t, (nx, ny))
     fp = _field(p, (nx, ny), ghosts=(0, 0))
-    code, message, model = api.model_load(SURROGATE, '{"channels": 3}',
-                                          '{"optimizer": {"name": "adam", "lr": 0.05}, '
-                                          '"dtype": "float64"}')
+    code, message, model = api.model_load(entry, kwargs, options)
     assert code == 0, message
     losses = []
     for _ in range(3):
@@ -176,26 +183,56 @@ def test_online_training_equals_one_process(session):
     code, message, _ = api.infer(model, fu, fp)
     assert code == 0, message
 
-    import importlib.util
-    spec = importlib.util.spec_from_file_location("heat_surrogate_ref", SURROGATE.split(":")[0])
-    ref_module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(ref_module)
-    torch.manual_seed(0)
-    ref = ref_module.make_surrogate(channels=3).double()
-    opt = torch.optim.Adam(ref.parameters(), lr=0.05)
+    opt = torch.optim.Adam(reference.parameters(), lr=0.05)
     x, target = torch.from_numpy(gu)[None, None], torch.from_numpy(gt)[None, None]
     for want in losses:
         opt.zero_grad()
-        loss = torch.nn.functional.mse_loss(ref(x), target)
+        loss = torch.nn.functional.mse_loss(reference(x), target)
         loss.backward()
         opt.step()
         assert abs(loss.item() - want) <= 1e-10 * abs(want), (loss.item(), want)
     with torch.no_grad():
-        out = ref(x)[0, 0].numpy()
+        out = reference(x)[0, 0].numpy()
     np.testing.assert_allclose(p, out[x0:x0 + nx, y0:y0 + ny], rtol=0, atol=1e-10)
     for h in (fu, ft, fp):
         assert api.field_free(h)[0] == 0
     assert api.model_free(model)[0] == 0
+
+
+OPTIONS = '{"optimizer": {"name": "adam", "lr": 0.05}, "dtype": "float64"}'
+
+
+def test_online_training_equals_one_process(session):
+    torch.manual_seed(0)  # the library seeds the same before calling the factory
+    reference = load_surrogate_module().make_surrogate(channels=3).double()
+    train_and_compare(session, SURROGATE, '{"channels": 3}', OPTIONS, reference)
+
+
+@pytest.mark.filterwarnings("ignore:`torch.jit:DeprecationWarning")  # TorchScript's, not ours
+def test_torchscript_model_runs_block_by_block(session):
+    """A traced surrogate (3x3 circular convs: receptive radius 1) loaded from a
+    file runs per block with a halo of 1 and trains like one process."""
+    torch.manual_seed(3)
+    traced = torch.jit.trace(load_surrogate_module().make_surrogate(channels=3),
+                             torch.zeros(1, 1, 6, 6))
+    directory = COMM.bcast(tempfile.mkdtemp() if RANK == 0 else None, root=0)
+    path = os.path.join(directory, "surrogate.pt")
+    if RANK == 0:
+        traced.save(path)
+    COMM.Barrier()
+    reference = torch.jit.load(path).double()
+    train_and_compare(session, path, None, OPTIONS[:-1] + ', "halo": 1}', reference)
+    for options, code, words in (
+            (OPTIONS, errors.ARGUMENT, 'needs the option "halo"'),
+            ('{"halo": 1}', None, None)):
+        got, message, model = api.model_load(path, None, options)
+        if code is None:
+            assert got == 0, message
+            api.model_free(model)
+        else:
+            assert got == code and words in message, message
+    got, message, _ = api.model_load(os.path.join(directory, "missing.pt"), None, '{"halo": 1}')
+    assert got == errors.IMPORT and "does not load" in message, message
 
 
 def test_one_rank_problem_is_every_rank_error(session):

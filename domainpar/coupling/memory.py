@@ -32,10 +32,13 @@ def storage_view(address: int, dtype: np.dtype, extents: tuple[int, ...], order:
     """The padded array at ``address`` as a C-ordered array in storage order."""
     storage = tuple(reversed(extents)) if order == ORDER_F else tuple(extents)
     count = math.prod(storage)
+    if count == 0:  # nothing to alias (a rank with an empty block)
+        if location == DEVICE:
+            import cupy
+            return cupy.empty(storage, dtype=dtype)
+        return np.empty(storage, dtype=dtype)
     if location == DEVICE:
         return _device_view(address, dtype, storage, count)
-    if count == 0:
-        return np.empty(storage, dtype=dtype)  # nothing to alias (a rank with an empty block)
     raw = (ctypes.c_char * (count * dtype.itemsize)).from_address(address)
     return np.frombuffer(raw, dtype=dtype, count=count).reshape(storage)
 

@@ -11,14 +11,16 @@ The factory is called with the keyword arguments given as JSON and must return a
 and the parameters are broadcast from rank 0 (``DomainParallel``), so every rank
 holds the same replicated model whatever the factory does.
 
-TorchScript files are refused with a readable error: a scripted module runs its
-ops below ``__torch_function__``, where a DomainTensor holds no data, so it
-cannot run domain-parallel; the factory route covers the same models.
+- ``"/path/to/model.pt"`` (also .pth, .ts, .torchscript): a TorchScript file,
+  run block by block with a halo (``scripted.Blockwise``: periodic grids only,
+  and the option ``halo``, the model's receptive-field radius, is required),
+  since scripted ops bypass the dispatch that runs DomainTensors.
 
 Options (JSON): ``optimizer`` (a name, or ``{"name": ..., **kwargs}`` for
 torch.optim: sgd, adam, adamw, rmsprop; none means inference only), ``loss``
 (mse, l1, smooth_l1; default mse), ``dtype`` (float32/float64: the parameters
-are converted), ``device`` (cpu or cuda), ``seed`` (default 0).
+are converted), ``device`` (cpu or cuda), ``seed`` (default 0), ``halo``
+(TorchScript models only).
 """
 from __future__ import annotations
 
@@ -34,12 +36,14 @@ import torch.nn.functional as F
 
 from ..comm.grid import ProcessGrid
 from .errors import ARGUMENT, IMPORT, IO, MODEL, CouplingError, Stage, describe
+from .scripted import Blockwise
 
 OPTIMIZERS = {"sgd": torch.optim.SGD, "adam": torch.optim.Adam, "adamw": torch.optim.AdamW,
               "rmsprop": torch.optim.RMSprop}
 LOSSES = {"mse": F.mse_loss, "l1": F.l1_loss, "smooth_l1": F.smooth_l1_loss}
 DTYPES = {"float32": torch.float32, "float64": torch.float64}
-_OPTION_KEYS = {"optimizer", "loss", "dtype", "device", "seed"}
+_OPTION_KEYS = {"optimizer", "loss", "dtype", "device", "seed", "halo"}
+SCRIPT_SUFFIXES = (".pt", ".pth", ".ts", ".torchscript")
 
 
 def parse_json(text: str | None, what: str) -> dict:
@@ -57,12 +61,10 @@ def parse_json(text: str | None, what: str) -> dict:
 
 def resolve(entry: str):
     """Local. The callable an entry point names; IMPORT if there is none."""
+    if entry and Path(entry).suffix in SCRIPT_SUFFIXES:
+        return _script_loader(entry)
     module_name, sep, attr = (entry or "").rpartition(":")
     if not sep or not module_name or not attr:
-        if entry and Path(entry).suffix in (".pt", ".pth", ".ts", ".torchscript"):
-            raise CouplingError(IMPORT, f"{entry!r}: TorchScript models cannot run on "
-                                        f"DomainTensors (scripted ops bypass domainpar's "
-                                        f"dispatch); give a Python factory 'module:function'")
         raise CouplingError(IMPORT, f"entry point {entry!r}: expected 'package.module:factory' "
                                     f"or '/path/to/file.py:factory'")
     try:
@@ -92,6 +94,24 @@ def resolve(entry: str):
         raise CouplingError(IMPORT, f"entry point {entry!r} names a {type(obj).__name__}, "
                                     f"not a callable")
     return obj
+
+
+def _script_loader(path: str):
+    """A factory loading the TorchScript file (checked here, so that a missing or
+    broken file is an IMPORT error like a module that does not import)."""
+    try:
+        scripted = torch.jit.load(path, map_location="cpu")
+    except Exception as exc:  # noqa: BLE001 - RuntimeError, ValueError, OSError from torch
+        raise CouplingError(IMPORT, f"TorchScript file {path!r} does not load: "
+                                    f"{type(exc).__name__}: {str(exc).strip().splitlines()[0]}"
+                            ) from None
+
+    def factory(**kwargs):
+        if kwargs:
+            raise CouplingError(ARGUMENT, f"a TorchScript model takes no keyword arguments; "
+                                          f"got {sorted(kwargs)}")
+        return scripted
+    return factory
 
 
 class Model:
@@ -145,6 +165,11 @@ class Model:
         if not isinstance(module, torch.nn.Module):
             raise CouplingError(MODEL, f"the factory returned a {type(module).__name__}, not a "
                                        f"torch.nn.Module")
+        if isinstance(module, torch.jit.ScriptModule):
+            module = Blockwise(module, self.options.get("halo"), self.grid)
+        elif "halo" in self.options:
+            raise CouplingError(ARGUMENT, "the option \"halo\" is for TorchScript models; a "
+                                          "Python model runs on DomainTensors, which need none")
         return module.to(device=self.device, dtype=self.dtype)
 
     def _optimizer(self):

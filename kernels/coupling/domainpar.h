@@ -56,7 +56,7 @@ enum {
 /* Element types, storage orders and memory locations of a field. */
 enum { DP_FLOAT32 = 1, DP_FLOAT64 = 2 };
 enum { DP_ORDER_C = 0, /* last index fastest */ DP_ORDER_F = 1 /* first index fastest */ };
-enum { DP_HOST = 0, DP_DEVICE = 1 /* CUDA device pointer, seen through CuPy */ };
+enum { DP_HOST = 0, DP_DEVICE = 1 /* CUDA device pointer, seen through CuPy (not yet run on a GPU) */ };
 
 /* Start domainpar on the simulation's grid. ndims == 0 (dims, periods NULL):
  * comm must carry a Cartesian topology (MPI_Cart_create), which is adopted.
@@ -98,7 +98,10 @@ int dp_halo_fill(int field);
 
 /* Load a model. entry: "package.module:factory" or "/path/to/file.py:factory",
  * a callable returning a torch.nn.Module; kwargs_json: a JSON object of
- * keyword arguments for it (NULL or "" for none); options_json: {"optimizer":
+ * keyword arguments for it (NULL or "" for none). Or entry: a TorchScript file
+ * (.pt, .pth, .ts, .torchscript), run block by block with "halo" ghost cells
+ * (option "halo": the model's receptive-field radius; periodic grids only).
+ * options_json: {"optimizer":
  * "adam" or {"name": "adam", "lr": 1e-3, ...} (sgd, adam, adamw, rmsprop; none:
  * inference only), "loss": "mse" | "l1" | "smooth_l1", "dtype": "float32" |
  * "float64", "device": "cpu" | "cuda", "seed": 0}. Parameters are made equal
