@@ -15,7 +15,6 @@ shows learning rather than luck. Circular padding matches the periodic domain.
 """
 from __future__ import annotations
 
-import torch
 from torch import nn
 
 
