@@ -8,7 +8,8 @@ own fused CPU kernel on the whole tensors. Measured, per sequence length:
 
 - step time on N ranks and in one process, interleaved step by step in one
   N-rank job (``timing.time_on_rank0`` says why that is fair); the speedup is
-  the ratio of the medians;
+  the ratio of the medians. CPU time too (the busiest rank's), which a
+  shared machine's other load disturbs less than wall time;
 - communication left exposed by the ring: the time each rank spends waiting
   for k/v blocks (forward) and k/v plus their gradients (backward) that have
   not arrived when the computation on the previous block is done; beside it
@@ -56,16 +57,18 @@ def _sharded(tensors, grid):
 
 
 def _ring_step(blocks, causal: bool) -> dict:
-    """Collective. One N-rank step: slowest rank's wall time; each rank's wait."""
+    """Collective. One N-rank step: the slowest rank's wall and CPU time (CPU time
+    is what other load on a shared machine disturbs least); each rank's wait."""
     from ..ops import attention
     comm = blocks[0].grid.comm
     comm.Barrier()
     attention.RING_WAIT.reset()
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.thread_time()
     _step(*blocks, causal)
-    mine = (time.perf_counter() - t0, attention.RING_WAIT.seconds)
+    mine = (time.perf_counter() - t0, time.thread_time() - c0, attention.RING_WAIT.seconds)
     per_rank = comm.allgather(mine)
-    return {"wall": max(r[0] for r in per_rank), "wait": [r[1] for r in per_rank]}
+    return {"wall": max(r[0] for r in per_rank), "cpu": max(r[1] for r in per_rank),
+            "wait": [r[2] for r in per_rank]}
 
 
 def _transfer_time(blocks, repeats: int) -> float:
@@ -119,10 +122,12 @@ def run(tokens=DEFAULT_TOKENS, heads: int = 1, head_dim: int = 32, causal: bool 
         mem_ring = comm.allgather(live_tensor_peak_kib(lambda: _step(*blocks, causal)))
         mem_one = on_rank0(comm, lambda: live_tensor_peak_kib(lambda: _step(*whole, causal)))
         wall, wall1 = median([r["wall"] for r in ring]), median([s["wall"] for s in single])
+        cpu, cpu1 = median([r["cpu"] for r in ring]), median([s["cpu"] for s in single])
         exposed = median([max(r["wait"]) for r in ring])
         results[str(t)] = {
             "tokens": t, "local_tokens": list(blocks[0].decomposition.block_sizes(2)),
             "median_step_s": {"ranks": wall, "one_process": wall1}, "speedup": wall1 / wall,
+            "median_cpu_s": {"ranks": cpu, "one_process": cpu1}, "cpu_speedup": cpu1 / cpu,
             "ring_wait_exposed_s": exposed, "transfer_s": transfer,
             "exposed_fraction_of_step": exposed / wall,
             "exposed_fraction_of_transfer": exposed / transfer if transfer else float("nan"),
@@ -147,12 +152,12 @@ def run(tokens=DEFAULT_TOKENS, heads: int = 1, head_dim: int = 32, causal: bool 
 
 def _print(report: dict, log) -> None:
     n = report["ranks"]
-    log(f"\n{'tokens':>7} {'1 proc s':>9} {f'{n} ranks s':>10} {'speedup':>8} "
+    log(f"\n{'tokens':>7} {'1 proc s':>9} {f'{n} ranks s':>10} {'speedup':>8} {'cpu speedup':>11} "
         f"{'exposed ms':>11} {'transfer ms':>12} {'live MiB 1 proc':>16} "
         f"{'per rank':>9} {'ratio':>6}")
     for c in report["cases"].values():
         m, mem = c["median_step_s"], c["live_tensor_peak_mib"]
-        log(f"{c['tokens']:>7} {m['one_process']:9.2f} {m['ranks']:10.2f} {c['speedup']:8.2f} "
+        log(f"{c['tokens']:>7} {m['one_process']:9.2f} {m['ranks']:10.2f} {c['speedup']:8.2f} {c['cpu_speedup']:11.2f} "
             f"{c['ring_wait_exposed_s'] * 1e3:11.1f} {c['transfer_s'] * 1e3:12.1f} "
             f"{mem['one_process']:16.1f} {mem['per_rank']:9.1f} {c['memory_ratio']:6.2f}")
     log(f"Load average {report['loadavg_start_end'][0][0]:.1f} at the start, "
