@@ -12,6 +12,8 @@ __version__ = "0.1.0"
 # name -> submodule that defines it; importing ``ops`` registers the op rules.
 _TORCH_NAMES = {"DomainTensor": "tensor", "UnsupportedOpError": "tensor",
                 "allow_gather": "tensor", "scatter": "tensor", "DomainParallel": "nn"}
+# torch-level subpackages reachable as attributes (``dp.io``).
+_TORCH_MODULES = ("io",)
 
 
 def __getattr__(name):
@@ -21,6 +23,10 @@ def __getattr__(name):
         value = getattr(importlib.import_module("." + _TORCH_NAMES[name], __name__), name)
         globals()[name] = value
         return value
+    if name in _TORCH_MODULES:
+        import importlib
+        importlib.import_module(".ops", __name__)
+        return importlib.import_module("." + name, __name__)
     raise AttributeError(f"module 'domainpar' has no attribute {name!r}")
 
 

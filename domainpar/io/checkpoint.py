@@ -1,0 +1,196 @@
+"""Checkpoints: one HDF5 file, written atomically, loadable on any rank count.
+
+Layout of the file:
+- ``state``: a uint8 dataset holding ``torch.save({'model', 'optimizer',
+  'extra'})`` of the replicated state, written once (by rank 0), with its crc32
+  in the attribute ``crc32``;
+- ``tensors/<name>``: each DomainTensor as its global array (``io.write``:
+  collective under mpio, part files plus a virtual dataset in serial mode), with
+  the ``shard`` map it was saved with (JSON) in an attribute;
+- root attributes ``format='domainpar-checkpoint'``, ``version``, ``ranks``.
+
+Atomic: everything goes to ``<path>.tmp-<token>`` (and its part files
+``<path>.tmp-<token>.rank<r>.h5``); after every rank is done, the files are
+synced and rank 0 renames the temporary file to ``path`` (``os.replace``), the
+one step that commits. A job killed before that leaves the previous checkpoint
+and the part files it refers to untouched; the temporary files it leaves are
+removed by the next successful save. Loading re-cuts every tensor for the grid
+it is given (``read``), so a checkpoint saved on 4 ranks restarts on 1, 2, 3...
+"""
+from __future__ import annotations
+
+import glob
+import io
+import json
+import os
+import secrets
+import zlib
+from typing import Mapping, NamedTuple
+
+import h5py
+import numpy as np
+import torch
+from mpi4py import MPI
+
+from ..comm.errors import LayoutError, agree as agree_args, signature_of
+from ..comm.grid import ProcessGrid
+from ..tensor.domain_tensor import DomainTensor
+from . import files
+from .errors import DataError, agree, bcast_outcome
+from .read import read
+from .write import part_path, write
+
+FORMAT = "domainpar-checkpoint"
+VERSION = 1
+
+
+class Checkpoint(NamedTuple):
+    """What ``load_checkpoint`` returns: the DomainTensors (cut for the new grid)
+    and the ``extra`` object saved with them."""
+    tensors: dict[str, DomainTensor]
+    extra: object
+
+
+def _fsync(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _state_blob(model, optimizer, extra) -> bytes:
+    buffer = io.BytesIO()
+    torch.save({"model": None if model is None else model.state_dict(),
+                "optimizer": None if optimizer is None else optimizer.state_dict(),
+                "extra": extra}, buffer)
+    return buffer.getvalue()
+
+
+def _check_tensors(tensors: Mapping[str, DomainTensor]) -> ProcessGrid | None:
+    grid = None
+    for name, t in tensors.items():
+        if not isinstance(name, str) or not name or "/" in name or name.startswith("."):
+            raise DataError(f"checkpoint tensor names must be non-empty strings without '/', "
+                            f"got {name!r}")
+        if not isinstance(t, DomainTensor):
+            raise DataError(f"checkpoint tensor {name!r} is a {type(t).__name__}, not a "
+                            f"DomainTensor (replicated tensors belong in the model or extra)")
+        if grid is None:
+            grid = t.grid
+        elif MPI.Comm.Compare(grid.comm, t.grid.comm) not in (MPI.IDENT, MPI.CONGRUENT):
+            raise DataError(f"checkpoint tensor {name!r} lives on another communicator than "
+                            f"the others")
+    return grid
+
+
+def save_checkpoint(path, model=None, optimizer=None, tensors: Mapping | None = None,
+                    extra=None, *, grid: ProcessGrid | None = None) -> None:
+    """Collective over the tensors' grid (else ``grid``, else COMM_WORLD). Save a
+    checkpoint to ``path``, atomically (see the module notes).
+
+    ``model`` and ``optimizer``: replicated, their ``state_dict()`` written once,
+    by rank 0. ``tensors``: ``{name: DomainTensor}``, stored as global arrays.
+    ``extra``: anything ``torch.load(weights_only=True)`` reads back (numbers,
+    strings, lists, dicts, tensors: an epoch, a step, an RNG state).
+    """
+    path = str(path)
+    tensors = dict(tensors or {})
+    grid = _check_tensors(tensors) or grid  # the same tensors on every rank: the same error
+    comm = grid.comm if grid is not None else MPI.COMM_WORLD
+    rank = comm.Get_rank()
+    agree_args(comm, None, signature=signature_of(path, sorted(tensors), files.parallel()),
+               what="save_checkpoint paths and tensor names", described=f"{path} {sorted(tensors)}")
+    tmp = f"{path}.tmp-{comm.bcast(secrets.token_hex(6) if rank == 0 else None, root=0)}"
+
+    def start():
+        blob = np.frombuffer(_state_blob(model, optimizer, extra), dtype=np.uint8)
+        with h5py.File(tmp, "w") as f:
+            f.attrs.update({"format": FORMAT, "version": VERSION, "ranks": comm.Get_size()})
+            state = f.create_dataset("state", data=blob)
+            state.attrs["crc32"] = zlib.crc32(blob.tobytes())
+            f.create_group("tensors")
+    bcast_outcome(comm, start)
+    for name, t in sorted(tensors.items()):
+        write(tmp, f"tensors/{name}", t,
+              attrs={"shard": json.dumps({str(d): a for d, a in t._dec.shard.items()})})
+    problem = None
+    try:  # each rank syncs what it wrote alone; rank 0 the main file
+        for mine in ([tmp] if rank == 0 else []) + [part_path(tmp, rank)]:
+            if os.path.exists(mine):
+                _fsync(mine)
+    except OSError as exc:
+        problem = f"syncing the checkpoint: {exc}"
+    agree(comm, problem)
+
+    def commit():
+        os.replace(tmp, path)
+        _fsync(os.path.dirname(os.path.abspath(path)))
+        # Earlier checkpoints' parts and what killed saves left behind.
+        for stale in glob.glob(glob.escape(path) + ".tmp-*"):
+            if not stale.startswith(tmp + "."):
+                os.remove(stale)
+    bcast_outcome(comm, commit)
+
+
+def _saved(path: str):
+    """Rank 0: the state bytes and the tensors' names and shard maps."""
+    with files._open_serial(path) as f:
+        if f.attrs.get("format") != FORMAT or "state" not in f:
+            raise DataError(f"{path} is an HDF5 file but not a domainpar checkpoint")
+        blob = f["state"][()].tobytes()
+        if zlib.crc32(blob) != f["state"].attrs.get("crc32"):
+            raise DataError(f"{path}: the model/optimizer state is corrupt (crc32 mismatch)")
+        group = f.get("tensors", {})
+        shards = {name: {int(d): a for d, a in json.loads(group[name].attrs["shard"]).items()}
+                  for name in group}
+    return blob, shards
+
+
+def _for(name: str, option):
+    """A per-tensor option: ``{name: value}`` when keyed by tensor names."""
+    if isinstance(option, Mapping) and option and all(isinstance(k, str) for k in option):
+        return option.get(name)
+    return option
+
+
+def load_checkpoint(path, model=None, optimizer=None, *, grid: ProcessGrid | None = None,
+                    shard: Mapping | None = None, sizes: Mapping | None = None,
+                    strict: bool = True) -> Checkpoint:
+    """Collective over ``grid`` (default: a grid over COMM_WORLD with as many axes
+    as the saved tensors' shard maps name, dims chosen by MPI). Load a
+    checkpoint saved by ``save_checkpoint``, on any number of ranks.
+
+    ``model``/``optimizer``: their state is loaded (``load_state_dict``, ``strict``
+    for the model). Tensors are re-cut for ``grid``: by ``shard`` and ``sizes``
+    (one for all tensors, or ``{name: ...}`` per tensor), else the shard map each
+    was saved with, balanced. Returns ``Checkpoint(tensors, extra)``.
+    DataError on every rank for a missing, truncated or corrupt file.
+    """
+    path = str(path)
+    comm = grid.comm if grid is not None else MPI.COMM_WORLD
+    blob, shards = bcast_outcome(comm, lambda: _saved(path))
+    try:
+        state = torch.load(io.BytesIO(blob), map_location="cpu", weights_only=True)
+    except (RuntimeError, ValueError, EOFError) as exc:  # the same bytes on every rank
+        raise DataError(f"{path}: cannot unpickle the model/optimizer state: {exc}") from None
+    if model is not None:
+        if state["model"] is None:
+            raise DataError(f"{path} holds no model state")
+        model.load_state_dict(state["model"], strict=strict)
+    if optimizer is not None:
+        if state["optimizer"] is None:
+            raise DataError(f"{path} holds no optimizer state")
+        optimizer.load_state_dict(state["optimizer"])
+    if grid is None and shards:
+        axes = 1 + max((a for s in shards.values() for a in s.values()), default=0)
+        grid = ProcessGrid((0,) * axes, comm=comm)
+    tensors = {}
+    for name, saved in sorted(shards.items()):
+        wanted = _for(name, shard)
+        try:
+            tensors[name] = read(path, f"tensors/{name}", grid,
+                                 saved if wanted is None else wanted, sizes=_for(name, sizes))
+        except LayoutError as exc:
+            raise LayoutError(f"checkpoint tensor {name!r}: {exc}") from None
+    return Checkpoint(tensors, state["extra"])

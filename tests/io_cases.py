@@ -1,0 +1,96 @@
+"""Shared pieces of the dp.io tests: a directory every rank agrees on, the io
+modes to run (mpio and the forced serial fallback), and checks that fail on
+every rank when any rank's check failed."""
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+
+import numpy as np
+import pytest
+import torch
+from mpi4py import MPI
+
+from domainpar.io import files
+
+COMM = MPI.COMM_WORLD
+RANK, SIZE = COMM.Get_rank(), COMM.Get_size()
+MODES = ("mpio", "serial") if files.has_mpi() else ("serial",)
+
+
+@pytest.fixture(scope="module")
+def shared_dir():
+    """A directory every rank agrees on (made by rank 0), removed at the end."""
+    path = COMM.bcast(tempfile.mkdtemp(prefix="dp-io-") if RANK == 0 else None, root=0)
+    yield path
+    COMM.Barrier()
+    if RANK == 0:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture(params=MODES)
+def mode(request):
+    """Each io mode in turn: mpio (when h5py has MPI) and the serial fallback."""
+    with files.forced_mode(request.param):
+        yield request.param
+
+
+_count = [0]
+
+
+def fresh(directory: str, stem: str) -> str:
+    """A file name not used before in this run (the same on every rank)."""
+    _count[0] += 1
+    return os.path.join(directory, f"{stem}-{_count[0]}.h5")
+
+
+def everywhere(ok: bool, what, comm=COMM) -> None:
+    """Collective. Fail on every rank when any rank's check failed."""
+    stories = comm.allgather(None if ok else f"rank {comm.Get_rank()}: {what}")
+    assert not any(stories), [s for s in stories if s]
+
+
+def raises_everywhere(fn, exc_type, *words, comm=COMM) -> str:
+    """Collective. ``fn()`` raises ``exc_type`` on every rank with the same message,
+    which holds ``words``."""
+    try:
+        fn()
+        message = None
+    except exc_type as exc:
+        message = str(exc)
+    stories = comm.allgather(message)
+    assert all(m is not None for m in stories), f"not raised on ranks {stories}"
+    assert len(set(stories)) == 1, stories
+    for w in words:
+        assert w in stories[0], stories[0]
+    return stories[0]
+
+
+def expected_padded(g: torch.Tensor, dec, widths, wraps, fill=0, base=None) -> torch.Tensor:
+    """The oracle: this rank's block padded by ghosts, cut from the global tensor
+    (wrapped indices on periodic dims, ``fill`` beyond the others)."""
+    index, valid = [], []
+    for d, (o, n, size) in enumerate(zip(dec.offsets(), dec.local_shape(), dec.global_shape)):
+        lo, hi = widths.get(d, (0, 0))
+        idx = np.arange(o - lo, o + n + hi)
+        ok = np.ones(idx.shape, bool)
+        if d in wraps:
+            idx = idx % max(size, 1)
+        else:
+            ok = (idx >= 0) & (idx < size)
+            idx = np.clip(idx, 0, max(size - 1, 0))
+        if base is not None:
+            idx = idx + base[d]
+        index.append(torch.as_tensor(idx))
+        valid.append(torch.as_tensor(ok))
+    if 0 in g.shape:
+        return torch.zeros([len(i) for i in index], dtype=g.dtype)
+    out = g[torch.meshgrid(*index, indexing="ij")].clone()
+    mask = torch.ones(out.shape, dtype=torch.bool)
+    for d, ok in enumerate(valid):
+        shape = [1] * out.ndim
+        shape[d] = -1
+        mask &= ok.view(shape)
+    out[~mask] = fill
+    return out
