@@ -147,7 +147,7 @@ def test_allow_gather_runs_an_op_with_no_rule_like_one_process(grid_ndim, kind):
     def f(x):
         with dp.allow_gather():
             y = torch.cumprod(x, dim=2) + x.cumsum(3)
-            z = torch.fft.fft(x, dim=2).real
+            z = torch.sort(x, dim=2).values
         return y * z
 
     assert_matches_single_process(f, global_tensor(SHAPE, seed=8), dec.grid, dec.shard,
