@@ -24,16 +24,15 @@ prints a table and writes JSON.
 """
 from __future__ import annotations
 
-import json
 import os
 import platform
 import time
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from mpi4py import MPI
 
+from .output import write_json
 from .timing import live_tensor_peak_kib, median, on_rank0, time_on_rank0
 
 DEFAULT_TOKENS = (16384, 32768, 65536)
@@ -143,10 +142,7 @@ def run(tokens=DEFAULT_TOKENS, heads: int = 1, head_dim: int = 32, causal: bool 
               "causal": causal, "dtype": "float32", "cases": results}
     if rank == 0:
         _print(report, log)
-        path = Path(out)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(report, indent=1))
-        log(f"JSON: {path}")
+        write_json(report, out, log)
     return report
 
 

@@ -53,6 +53,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from .output import write_json
 from .timing import idle_barrier, live_tensor_peak_kib, on_rank0, time_on_rank0
 
 CASES = {  # name -> (module factory, global input shape)
@@ -487,10 +488,7 @@ def run(nprocs: int = 2, cases=("conv3d", "conv2d"), repeats: int = 7, memory_re
     report["meets_memory_target"] = {a: m["unet"]["ratio"] <= TARGET_MEMORY
                                      for a, m in report["memory"].items()}
     _print(report, log)
-    path = Path(out)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(report, indent=1))
-    log(f"JSON: {path}")
+    write_json(report, out, log)
     return report
 
 

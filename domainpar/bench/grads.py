@@ -13,14 +13,13 @@ Also counted per step: allreduce calls made for parameter gradients.
 from __future__ import annotations
 
 import copy
-import json
 import platform
-from pathlib import Path
 
 import torch
 from mpi4py import MPI
 
 from ..comm import ProcessGrid
+from .output import write_json
 from .timing import interleaved, median
 
 
@@ -81,10 +80,7 @@ def run(layers: int = 20, width: int = 700, side: int = 16, repeats: int = 7,
             print(f"  {k:<25} median step {v * 1e3:8.1f} ms   "
                   f"x per-op {result['ratio_over_per_op'][k]:.3f}   "
                   f"allreduces per step: {counts[k]}")
-        path = Path(out)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(result, indent=1))
-        print(f"  JSON: {path}")
+        write_json(result, out)
     return result
 
 

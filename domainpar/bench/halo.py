@@ -21,16 +21,15 @@ and, for strided faces, fill with each way forced, to keep the choice honest:
 """
 from __future__ import annotations
 
-import json
 import math
 import platform
-from pathlib import Path
 
 import numpy as np
 from mpi4py import MPI
 
 from ..comm import Decomposition, HaloExchange, ProcessGrid, capabilities, packing
 from ..comm import halo as halo_module
+from .output import write_json
 from .timing import interleaved, median
 
 TARGET_RATIO = 1.10
@@ -167,9 +166,7 @@ def run(dims=(2, 3), faces_mib=(1, 4, 16, 64), width=1, block=8, repeats=11,
         "capabilities": capabilities(), "cases": cases,
     }
     if rank == 0 and out:
-        Path(out).parent.mkdir(parents=True, exist_ok=True)
-        Path(out).write_text(json.dumps(report, indent=1))
-        log(f"wrote {out}")
+        write_json(report, out, log)
     return report
 
 

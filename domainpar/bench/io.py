@@ -26,7 +26,6 @@ not a parallel file system.
 """
 from __future__ import annotations
 
-import json
 import platform
 import shutil
 import tempfile
@@ -38,6 +37,7 @@ import numpy as np
 import torch
 from mpi4py import MPI
 
+from .output import write_json
 from .timing import interleaved, median
 
 
@@ -163,8 +163,5 @@ def run(samples: int = 8, channels: int = 2, side: int = 2048, repeats: int = 5,
             print(f"  {k:<40} {v:.3f}")
         print(f"  prefetch saves {result['prefetch_epoch_saving'] * 100:.0f}% of an epoch with a "
               f"{compute_s * 1e3:.1f} ms step per sample")
-        target = Path(out)
-        target.parent.mkdir(parents=True, exist_ok=True)
-        target.write_text(json.dumps(result, indent=1))
-        print(f"  JSON: {target}")
+        write_json(result, out)
     return result
