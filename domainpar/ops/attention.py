@@ -300,10 +300,7 @@ def _expand_heads(t, groups: int):
 
 def _fold_heads(t, groups: int):
     """The gradient of ``_expand_heads``: summed over each group."""
-    if groups == 1:
-        return t
-    b, h = t.shape[:2]
-    return t.reshape(b, h // groups, groups, *t.shape[2:]).sum(2)
+    return t if groups == 1 else _grouped_rows(t, groups).sum(2)
 
 
 def _block_forward(q, k, v, spec: _Spec, src: int, out, lse, pending):
