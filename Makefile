@@ -38,10 +38,14 @@ STAMPS := $(VENV)/.stamps
 # the local CPU build and the whole environment reproducible.
 PIP_INSTALL := $(PY) -m pip install -c constraints.txt
 
-APT_PACKAGES := openmpi-bin libopenmpi-dev gfortran libhdf5-openmpi-dev cmake
+# slurm-wlm and munge: tests/test_slurm.py starts a one-node Slurm and submits
+# the slurm/ templates to it.
+APT_PACKAGES := openmpi-bin libopenmpi-dev gfortran libhdf5-openmpi-dev cmake slurm-wlm munge
 # Keep in sync with the `test` extra in pyproject.toml. Installed explicitly
 # because the package itself is installed with --no-deps (see the pkg stamp).
 TEST_REQUIREMENTS := pytest pytest-mpi pytest-timeout hypothesis
+# The `plots` extra in pyproject.toml: PNGs from `domainpar bench` and the demo.
+PLOT_REQUIREMENTS := matplotlib
 
 H5PY_VERSION := $(shell sed -n 's/^h5py==\([^ #]*\).*/\1/p' constraints.txt)
 H5PY_WHEEL_CACHE ?= $(or $(XDG_CACHE_HOME),$(HOME)/.cache)/domainpar/wheels
@@ -173,7 +177,7 @@ $(STAMPS)/h5py: constraints.txt $(STAMPS)/base
 $(STAMPS)/pkg: pyproject.toml setup.py $(wildcard domainpar/__init__.py) $(STAMPS)/h5py
 	@echo "==> installing domainpar (editable) and the test tools"
 	$(PIP_INSTALL) --no-build-isolation --no-deps -e .
-	$(PIP_INSTALL) $(TEST_REQUIREMENTS)
+	$(PIP_INSTALL) $(TEST_REQUIREMENTS) $(PLOT_REQUIREMENTS)
 	touch $@
 
 # Native kernels. The stamp lives in build/ next to what it stands for, so
