@@ -1,0 +1,59 @@
+"""README.md's quickstart runs as written on 4 ranks, and its losses are the
+ones plain PyTorch gives on the whole field in one process.
+
+Serial (not marked mpi): the test launches its own mpiexec.
+"""
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from domainpar import cli
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _quickstart() -> str:
+    text = (ROOT / "README.md").read_text()
+    match = re.search(r"## Quickstart\s+```python\n(.*?)```", text, re.S)
+    assert match, "README.md has no python block under '## Quickstart'"
+    return match.group(1)
+
+
+def _one_process_losses(steps: int) -> list[float]:
+    """The quickstart's training, in plain PyTorch on the whole field."""
+    torch.manual_seed(0)
+    field = torch.randn(1, 2, 64, 64, 64)
+    target = torch.randn(1, 2, 64, 64, 64)
+    model = nn.Sequential(nn.Conv3d(2, 16, 3, padding=1), nn.GELU(),
+                          nn.Conv3d(16, 2, 3, padding=1))
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    losses = []
+    for _ in range(steps):
+        opt.zero_grad()
+        loss = F.mse_loss(model(field), target)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses
+
+
+def test_quickstart_runs_on_four_ranks_with_one_process_numbers(tmp_path):
+    script = tmp_path / "quickstart.py"
+    script.write_text(_quickstart())
+    proc = subprocess.run(["mpiexec", "-n", "4", sys.executable, str(script)],
+                          env=dict(cli.mpiexec_env(), PYTHONPATH=str(ROOT)),
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    rows = [line.split(maxsplit=2) for line in proc.stdout.splitlines()]
+    assert len(rows) == 10, proc.stdout
+    assert all(r[2] == "torch.Size([1, 2, 32, 32, 64])" for r in rows), proc.stdout
+    sharded = [float(r[1]) for r in rows]
+    expected = _one_process_losses(len(rows))
+    torch.testing.assert_close(torch.tensor(sharded, dtype=torch.float64),
+                               torch.tensor(expected, dtype=torch.float64),
+                               rtol=1e-5, atol=0)
