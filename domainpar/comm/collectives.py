@@ -26,7 +26,7 @@ def _to_wire(arr):
     """What MPI may touch for ``arr``: itself, or a host copy when ``arr`` is on
     a GPU and MPI is not CUDA-aware. Waits for the producing stream first."""
     buffers.synchronize(arr)
-    if buffers.is_device(arr) and not runtime.cuda_aware_mpi()[0]:
+    if buffers.is_device(arr) and runtime.stages_device_buffers():
         return arr.get()
     return arr
 
@@ -36,6 +36,14 @@ def _from_wire(wire, like):
     if buffers.is_device(like) and isinstance(wire, np.ndarray):
         return buffers.namespace(like).asarray(wire)
     return wire
+
+
+def _copy_back(wire, arr) -> None:
+    """Copy a result received in ``wire`` into the caller's ``arr`` and wait for
+    the copy: on a GPU it runs on CuPy's stream, and the caller may go on on
+    another one (a torch side stream) that nothing orders after it."""
+    buffers.namespace(arr).copyto(arr, _from_wire(wire, arr).reshape(arr.shape))
+    buffers.synchronize(arr)
 
 
 def _byte_counts(sizes, itemsize):
@@ -149,7 +157,7 @@ def allreduce(a, comm: MPI.Comm, op: str = "sum", *, check: bool = True):
     wire = _to_wire(work)
     comm.Allreduce(MPI.IN_PLACE, wire, op=_OPS[op])
     if wire is not arr:
-        buffers.namespace(arr).copyto(arr, _from_wire(wire, arr).reshape(arr.shape))
+        _copy_back(wire, arr)
     return a
 
 
@@ -168,7 +176,7 @@ class PendingReduction:
     def wait(self) -> None:
         self.request.Wait()
         if self._wire is not self._arr:
-            buffers.namespace(self._arr).copyto(self._arr, _from_wire(self._wire, self._arr))
+            _copy_back(self._wire, self._arr)
 
 
 def iallreduce(a, comm: MPI.Comm, op: str = "sum") -> PendingReduction:
@@ -200,7 +208,7 @@ def bcast(a, comm: MPI.Comm, root: int = 0):
     wire = _to_wire(arr)
     comm.Bcast([wire.reshape(-1).view(np.uint8), MPI.BYTE], root=root)
     if wire is not arr:
-        buffers.namespace(arr).copyto(arr, _from_wire(wire, arr))
+        _copy_back(wire, arr)
     return a
 
 
@@ -306,13 +314,14 @@ def mirror_exchange(send, recv, comm: MPI.Comm) -> None:
     partner = comm.Get_size() - 1 - comm.Get_rank()
     if partner == comm.Get_rank():
         buffers.namespace(recv_arr).copyto(recv_arr, send_arr.reshape(recv_arr.shape))
+        buffers.synchronize(recv_arr)  # as after _copy_back
         return
     wire_send, wire_recv = _to_wire(send_arr), _to_wire(recv_arr)
     comm.Sendrecv([wire_send.reshape(-1).view(np.uint8), MPI.BYTE], dest=partner, sendtag=71,
                   recvbuf=[wire_recv.reshape(-1).view(np.uint8), MPI.BYTE], source=partner,
                   recvtag=71)
     if wire_recv is not recv_arr:  # staged through the host: back to the device
-        buffers.namespace(recv_arr).copyto(recv_arr, _from_wire(wire_recv, recv_arr))
+        _copy_back(wire_recv, recv_arr)
 
 
 # -- repartition ------------------------------------------------------------------------------
@@ -398,7 +407,7 @@ class PendingShift:
         if self.requests:
             MPI.Request.Waitall(self.requests)
         for wire, arr in self._staged:
-            buffers.namespace(arr).copyto(arr, _from_wire(wire, arr).reshape(arr.shape))
+            _copy_back(wire, arr)
         self.requests, self._staged, self._keep = [], [], []
 
 
@@ -428,11 +437,12 @@ def ring_shift(send, recv, comm: MPI.Comm, shift: int = 1, tag: int = RING_TAG) 
     if dest == rank:
         for s, r in zip(sends, recvs):
             buffers.namespace(r).copyto(r, s.reshape(r.shape))
+            buffers.synchronize(r)  # as after _copy_back
         return PendingShift([], [], [])
     requests, staged, keep = [], [], []
     for i, r in enumerate(recvs):
         wire = r
-        if buffers.is_device(r) and not runtime.cuda_aware_mpi()[0]:
+        if buffers.is_device(r) and runtime.stages_device_buffers():
             wire = np.empty(r.shape, r.dtype)
             staged.append((wire, r))
         requests.append(comm.Irecv(_bytes_of(wire), source=source, tag=tag + i))

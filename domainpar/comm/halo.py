@@ -313,7 +313,7 @@ class _Plan:
         self.rank = halo.grid.rank
         self.itemsize = arr.dtype.itemsize
         self.device = buffers.is_device(arr)
-        self.staged = self.device and not runtime.cuda_aware_mpi()[0]
+        self.staged = self.device and runtime.stages_device_buffers()
         self.rounds = [([self._wire(arr, t) for t in sends], [self._wire(arr, t) for t in recvs])
                        for _dim, sends, recvs in halo._rounds]
         self.tunable = [w for sends, recvs in self.rounds for w in sends + recvs
@@ -357,6 +357,10 @@ class _Plan:
         t0 = time.perf_counter()
         for r in order:
             self.run(arr, r, adjoint, requests[r])
+        if self.device:
+            # The last unpacks run on CuPy's stream; the caller may go on on
+            # another one (a torch side stream), which nothing orders after them.
+            buffers.synchronize(arr)
         if tuning:
             self.timings[way].append(time.perf_counter() - t0)
             if all(len(v) >= TUNING_CALLS for v in self.timings.values()):
@@ -405,8 +409,10 @@ class _Plan:
             sends, recvs = self._directed(r, adjoint)
             for w in recvs:
                 if adjoint and w.mode != "local" and w.sum_buf is None:
-                    w.sum_buf = buffers.empty((arr[w.transfer.box].size * self.itemsize,),
-                                              np.uint8, arr)
+                    nbytes = arr[w.transfer.box].size * self.itemsize
+                    # staged: MPI must never see device memory, sums included
+                    w.sum_buf = (buffers.pinned_empty(nbytes) if self.staged
+                                 else buffers.empty((nbytes,), np.uint8, arr))
             found.append((
                 [self.comm.Recv_init(self._message(address, w, adjoint), w.transfer.peer, tag)
                  for w in recvs if w.mode != "local"],

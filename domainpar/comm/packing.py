@@ -140,8 +140,15 @@ def unpack(view, buf, add: bool = False) -> None:
 
 
 # -- device arrays --------------------------------------------------------------------------
-_CUDA_ADD_SUFFIX = {"f": "f", "d": "d", "i": "i", "l": "l"}
+_CUDA_ITEM_SIZES = (1, 2, 4, 8, 16)  # element sizes with a dp_pack_<n> / dp_unpack_<n> kernel
 _cuda_state: dict = {}
+
+
+def cuda_kernel_names() -> set[str]:
+    """Local. Every kernel name ``_cuda_copy`` may look up in kernels/pack.cu's
+    module (the build tests check that the compiled module has each of them)."""
+    copies = {f"dp_{what}_{item}" for what in ("pack", "unpack") for item in _CUDA_ITEM_SIZES}
+    return copies | {f"dp_unpack_add_{code.decode()}" for code in set(_ADD_CODES.values())}
 
 
 def _cuda_module():
@@ -178,7 +185,7 @@ def _cuda_copy(view, buf, what: str) -> bool:
             shape, strides = shape + [2], strides + [item // 2]
             item //= 2
         name = f"dp_unpack_add_{code.decode()}"
-    elif item in (1, 2, 4, 8, 16):
+    elif item in _CUDA_ITEM_SIZES:
         name = f"dp_{what}_{item}"
     else:
         return False

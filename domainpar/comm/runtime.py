@@ -67,13 +67,20 @@ def gpu_count() -> int:
 
 def bind_gpu() -> int | None:
     """Collective on first call. Make GPU ``local_rank % count`` this process's
-    current device (several ranks may share one); returns its index or None."""
+    current device (several ranks may share one), for CuPy and, when it is
+    loaded, for torch; returns its index or None."""
     count = gpu_count()
     if count == 0:
         return None
     device = local_rank() % count
     import cupy
     cupy.cuda.Device(device).use()
+    # torch keeps a current device of its own ("cuda" means it): left at 0, every
+    # rank's tensors would land on GPU 0 while CuPy works on another one. Only
+    # set if torch is already loaded: this layer never imports it.
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_available():
+        torch.cuda.set_device(device)
     return device
 
 
@@ -85,9 +92,12 @@ def cuda_aware_mpi() -> tuple[bool | None, str]:
     for an MPI that is CUDA-aware but cannot say so); otherwise the library is
     asked through ``MPIX_Query_cuda_support`` where it has that call.
     """
-    forced = os.environ.get("DOMAINPAR_CUDA_AWARE")
+    forced = os.environ.get("DOMAINPAR_CUDA_AWARE", "").strip()
     if forced in ("0", "1"):
         return forced == "1", f"forced by DOMAINPAR_CUDA_AWARE={forced}"
+    if forced:  # a typo must not silently pick the other path
+        raise ValueError(f"DOMAINPAR_CUDA_AWARE={forced!r}: use 1 (pass device buffers to "
+                         "MPI) or 0 (stage them through pinned host memory), or unset it")
     try:
         query = getattr(ctypes.CDLL(MPI.__file__), "MPIX_Query_cuda_support")
     except (OSError, AttributeError):
@@ -96,19 +106,35 @@ def cuda_aware_mpi() -> tuple[bool | None, str]:
     return bool(query()), "MPIX_Query_cuda_support()"
 
 
+# How device (CuPy, torch CUDA) arrays meet MPI, by whether MPI is CUDA-aware.
+DEVICE_PATHS = {True: "direct: device memory handed to MPI (CUDA-aware)",
+                False: "staged: through pinned host buffers (MPI not known to be CUDA-aware)"}
+
+
+def stages_device_buffers() -> bool:
+    """Local. Whether device arrays go to MPI through pinned host memory (MPI
+    not known to be CUDA-aware) rather than as they are; see ``cuda_aware_mpi``."""
+    return not cuda_aware_mpi()[0]
+
+
 def capabilities() -> dict:
     """Local. What this process's MPI, GPU and I/O stack can do (no torch here;
     the CLI adds torch's view)."""
     from . import packing
-    aware, how = cuda_aware_mpi()
+    try:
+        aware, how = cuda_aware_mpi()
+    except ValueError as exc:  # reported, so that `domainpar info` shows the mistake
+        aware, how = None, str(exc)
     vendor, version = MPI.get_vendor()
     report = {
-        "mpi_library": MPI.Get_library_version().strip().splitlines()[0],
+        # Open MPI ends the string with a NUL, which would reach the terminal
+        "mpi_library": MPI.Get_library_version().replace("\x00", "").strip().splitlines()[0],
         "mpi_vendor": f"{vendor} {'.'.join(map(str, version))}",
         "mpi_standard": "{}.{}".format(*MPI.Get_version()),
         "world_size": MPI.COMM_WORLD.Get_size(),
         "cuda_aware_mpi": {True: "yes", False: "no", None: "unknown"}[aware],
         "cuda_aware_mpi_how": how,
+        "device_buffers": DEVICE_PATHS[bool(aware)],
         "cupy": _cupy_report(),
         "h5py": _h5py_report(),
     }
