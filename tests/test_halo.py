@@ -120,46 +120,6 @@ def test_outer_ghosts_untouched_and_periodic_wrap_explicit(periodic):
     assert a.tolist() == expected
 
 
-def _gpu_or_skip():
-    cupy = pytest.importorskip("cupy", reason="needs CuPy and a GPU for device buffers")
-    if cupy.cuda.runtime.getDeviceCount() == 0:
-        pytest.skip("needs a GPU for device buffers")
-    return cupy
-
-
-@pytest.mark.parametrize("kind", ["cupy", "torch"])
-@pytest.mark.parametrize("aware", ["0", "1"])
-def test_device_arrays_staged_and_direct(kind, aware, monkeypatch):
-    """CuPy arrays and torch CUDA tensors, with MPI forced CUDA-aware or staged."""
-    cupy = _gpu_or_skip()
-    from domainpar.comm import runtime
-    monkeypatch.setenv("DOMAINPAR_CUDA_AWARE", aware)
-    runtime.cuda_aware_mpi.cache_clear()
-    try:
-        grid = dp.ProcessGrid((0, 0), periodic=(True, False))
-        dec = dp.Decomposition((6, 9, 7), grid, shard={1: 0, 2: 1})
-        halo = dp.HaloExchange(dec, {1: (2, 1), 2: 1})
-        glob = global_array(dec.global_shape, 4)
-        host = padded_with_block(halo, glob, 4, np.float64)
-        expected = reference_fill(glob, halo, host)
-        if kind == "cupy":
-            dev = cupy.asarray(host)
-            halo.fill(dev)
-            np.testing.assert_array_equal(cupy.asnumpy(dev), expected)
-        else:
-            torch = pytest.importorskip("torch")
-            # queue work on a side stream right before the exchange: the
-            # exchange must wait for it (the classic silent corruption)
-            t = torch.zeros(host.shape, dtype=torch.float64, device="cuda")
-            side = torch.cuda.Stream()
-            with torch.cuda.stream(side):
-                t.copy_(torch.from_numpy(host).cuda(non_blocking=True))
-                halo.fill(t)
-            np.testing.assert_array_equal(t.cpu().numpy(), expected)
-    finally:
-        runtime.cuda_aware_mpi.cache_clear()
-
-
 @pytest.mark.parametrize("grid_ndim,seed", CASES[::7])
 def test_ranks_may_choose_different_ways(grid_ndim, seed, monkeypatch):
     """Datatype and packed boxes put the same bytes on the wire, so a plan's

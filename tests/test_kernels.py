@@ -1,15 +1,10 @@
-"""The pack kernels: C (kernels/pack.c) against numpy slicing, and the CUDA
-twin (kernels/pack.cu) compiled by nvcc."""
-import shutil
-import subprocess
-from pathlib import Path
-
+"""The C pack kernels (kernels/pack.c) against numpy slicing. Their CUDA twin
+(kernels/pack.cu): tests/test_cuda_build.py compiles it, tests/gpu/ runs it."""
 import numpy as np
 import pytest
 
 from domainpar.comm import packing
 
-ROOT = Path(__file__).resolve().parent.parent
 DTYPES = [np.uint8, np.float16, np.float32, np.float64, np.complex64, np.complex128,
           np.int32, np.int64]
 BOXES = [  # (array shape, box) pairs: faces along every axis, several widths, corners
@@ -81,31 +76,3 @@ def test_c_kernels_used_only_when_enabled(monkeypatch):
     monkeypatch.setattr(packing, "use_native", False)
     packing.pack(view, fallback)
     np.testing.assert_array_equal(native, fallback)
-
-
-def test_cuda_kernels_compile_with_nvcc(tmp_path):
-    nvcc = shutil.which("nvcc") or (shutil.which("nvcc", path="/usr/local/cuda/bin"))
-    if nvcc is None:
-        pytest.skip("needs nvcc (the CUDA toolkit) to compile kernels/pack.cu")
-    out = tmp_path / "pack.o"
-    proc = subprocess.run([nvcc, "-c", str(ROOT / "kernels" / "pack.cu"), "-o", str(out)],
-                          capture_output=True, text=True)
-    assert proc.returncode == 0, proc.stderr
-    symbols = subprocess.run(["nm", str(out)], capture_output=True, text=True).stdout
-    for name in ("dp_pack_4", "dp_unpack_8", "dp_unpack_add_f", "dp_unpack_add_d"):
-        assert name in symbols
-
-
-def test_cuda_pack_on_a_gpu():
-    cupy = pytest.importorskip("cupy", reason="needs CuPy and a GPU")
-    if cupy.cuda.runtime.getDeviceCount() == 0:
-        pytest.skip("needs a GPU")
-    a = cupy.arange(7 * 9 * 11, dtype=cupy.float32).reshape(7, 9, 11)
-    view = a[:, 2:4, 10:11]
-    buf = cupy.empty(view.nbytes, cupy.uint8)
-    packing.pack(view, buf)
-    assert packing._cuda_module() is not None, packing._cuda_state["why"]
-    cupy.testing.assert_array_equal(buf.view(cupy.float32).reshape(view.shape), view)
-    b = cupy.zeros_like(a)
-    packing.unpack(b[:, 2:4, 10:11], buf, add=True)
-    cupy.testing.assert_array_equal(b[:, 2:4, 10:11], view)
