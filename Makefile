@@ -16,6 +16,8 @@
 #   FAIL_FAST=1              stop `make test` after the first failing stage
 #   HDF5_DIR=...             parallel HDF5 prefix to build h5py against
 #   MPIEXEC=mpiexec          launcher for the demo and the MPI test stages
+#   DEMO_NP=2                ranks `make demo` runs on
+#   DEMO_ARGS=...            extra `domainpar demo` options (e.g. --steps 100 --side 24)
 #   ALLOW_CUDA_TORCH=1       permit a torch install that pulls CUDA wheels
 
 # One bash per recipe with strict error handling: recipes read like scripts
@@ -57,6 +59,8 @@ JOBS ?= $(shell nproc 2>/dev/null || echo 2)
 ALLOW_CUDA_TORCH ?= 0
 
 MPIEXEC ?= mpiexec
+DEMO_NP ?= 2
+DEMO_ARGS ?=
 NP_LIST ?= 1 2 3 4
 PYTEST_ARGS ?=
 TEST_TIMEOUT ?= 120
@@ -76,7 +80,7 @@ MPI_RUN_ENV := OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 \
 .PHONY: help setup sysdeps kernels test demo coupling clean distclean FORCE
 
 help:
-	@echo "make demo       set up, then run 'domainpar info' and examples/halo_demo.py on 4 ranks"
+	@echo "make demo       set up, then the main job on $(DEMO_NP) ranks: solve, write HDF5, train a 3-D UNet, check, plot"
 	echo "make test       set up, then serial tests and MPI tests on $(NP_LIST) ranks"
 	echo "make setup      only the setup: apt packages, .venv, parallel h5py, package, kernels"
 	echo "make kernels    (re)build the native kernels with CMake when their sources changed"
@@ -251,10 +255,13 @@ test: setup
 		$$((t_all / 1000)) $$((t_all % 1000 / 100)) $$((t_setup / 1000)) $$((t_setup % 1000 / 100))
 	exit $$failed
 
+# The main job (`domainpar demo --help`): Gray-Scott solved domain-parallel,
+# written to HDF5, a 3-D UNet surrogate trained on it, checked against one
+# process, PNGs in demo-out/. A few minutes; the timeout is a last resort.
 demo: setup
 	@set -x
-	$(VENV)/bin/domainpar info
-	env $(MPI_RUN_ENV) timeout -k 10 600 $(MPIEXEC) -n 4 $(abspath $(PY)) examples/halo_demo.py
+	env $(MPI_RUN_ENV) timeout -k 10 1800 $(MPIEXEC) -n $(DEMO_NP) \
+		$(abspath $(VENV))/bin/domainpar demo -n $(DEMO_NP) $(DEMO_ARGS)
 
 # The coupling examples: C and Fortran simulations training a domainpar model
 # online (examples/coupling/README.md). CMake builds them with the kernels; the

@@ -1,0 +1,90 @@
+"""The demo's pictures (matplotlib, Agg; rank 0 draws them): a plane of a
+held-out sample (input, prediction, truth, error; u and v) and the loss curve."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+
+def _pyplot():
+    import matplotlib
+    matplotlib.use("Agg")  # files only: no display needed, none opened
+    import matplotlib.pyplot as plt
+    return plt
+
+
+def _moving_average(values, window: int) -> np.ndarray:
+    v = np.asarray(values, dtype=np.float64)
+    window = max(1, min(window, len(v)))
+    kernel = np.ones(window) / window
+    # The first window - 1 points average what there is so far.
+    head = np.cumsum(v[:window - 1]) / np.arange(1, window)
+    return np.concatenate([head, np.convolve(v, kernel, mode="valid")])
+
+
+def sample_png(path, planes: dict, *, seams, title: str, plane_label: str) -> Path:
+    """Local. ``planes``: ``input``, ``prediction``, ``truth``, each (2, D, W) for
+    (u, v). One row per field: input, prediction, truth on one colour scale,
+    then the model's error (prediction - truth) beside the error of predicting
+    no change (input - truth), both on one symmetric scale. ``seams``: the D
+    indices where a rank's block starts (drawn dashed), to show that the cuts
+    leave no mark."""
+    plt = _pyplot()
+    err = planes["prediction"] - planes["truth"]
+    still = planes["input"] - planes["truth"]
+    fig, axes = plt.subplots(2, 5, figsize=(19, 7.4), constrained_layout=True)
+    for row, field in enumerate(("u", "v")):
+        stack = np.stack([planes[k][row] for k in ("input", "prediction", "truth")])
+        lo, hi = float(stack.min()), float(stack.max())
+        emax = max(float(np.abs(err[row]).max()), float(np.abs(still[row]).max()), 1e-12)
+        panels = [("input (t)", planes["input"][row], "viridis", lo, hi),
+                  ("prediction (t + Δt)", planes["prediction"][row], "viridis", lo, hi),
+                  ("truth (t + Δt)", planes["truth"][row], "viridis", lo, hi),
+                  ("error: prediction − truth", err[row], "RdBu_r", -emax, emax),
+                  ("no-change error: input − truth", still[row], "RdBu_r", -emax, emax)]
+        for ax, (name, image, cmap, vmin, vmax) in zip(axes[row], panels):
+            shown = ax.imshow(image, cmap=cmap, vmin=vmin, vmax=vmax, origin="lower",
+                              interpolation="nearest")
+            ax.set_title(f"{field}: {name}", fontsize=11)
+            ax.set_xlabel("x")
+            ax.set_ylabel("z")
+            for s in seams:
+                ax.axhline(s - 0.5, color="white" if cmap == "viridis" else "black",
+                           linestyle="--", linewidth=0.8, alpha=0.7)
+            fig.colorbar(shown, ax=ax, shrink=0.85)
+    fig.suptitle(f"{title}\n{plane_label}", fontsize=12)
+    out = Path(path)
+    fig.savefig(out, dpi=100)
+    plt.close(fig)
+    return out
+
+
+def loss_png(path, losses, *, persistence: float, test_mse: float, title: str) -> Path:
+    """Local. Training loss per step (and its moving average) on a log scale,
+    with the persistence baseline (predicting no change, on the training set)
+    and the held-out MSE at the end."""
+    plt = _pyplot()
+    from matplotlib.ticker import LogFormatterSciNotation
+    steps = np.arange(1, len(losses) + 1)
+    fig, ax = plt.subplots(figsize=(8, 4.8), constrained_layout=True)
+    ax.semilogy(steps, losses, color="tab:blue", alpha=0.3, linewidth=0.8,
+                label="training loss (MSE per step)")
+    ax.semilogy(steps, _moving_average(losses, 20), color="tab:blue", linewidth=2,
+                label="moving average (20 steps)")
+    ax.axhline(persistence, color="tab:gray", linestyle="--",
+               label=f"no-change baseline, training set ({persistence:.2e})")
+    ax.plot([steps[-1]], [test_mse], marker="o", color="tab:red", linestyle="none",
+            label=f"held-out trajectory MSE ({test_mse:.2e})")
+    ax.set_xlabel("training step")
+    ax.set_ylabel("mean squared error (log scale)")
+    ax.set_title(title)
+    # Label the minor ticks too: a one-decade range would show a single label.
+    ax.yaxis.set_minor_formatter(LogFormatterSciNotation(labelOnlyBase=False,
+                                                         minor_thresholds=(2, 0.5)))
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(loc="lower left", fontsize=9)
+    out = Path(path)
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out
