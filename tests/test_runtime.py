@@ -1,4 +1,5 @@
 """Runtime: init, abort on an uncaught exception, the capability report, the CLI."""
+import importlib.util
 import json
 import subprocess
 import sys
@@ -81,6 +82,10 @@ def test_cli_bench_halo_relaunches_under_mpiexec(tmp_path):
     for case in report["cases"]:
         assert case["face_bytes"] > 0
         assert set(case["median_s"]) >= {"sendrecv", "fill", "subarray"}
+        assert "B" not in case  # no --compare: one configuration
+    assert report["configurations"] == {"A": {}}
+    if importlib.util.find_spec("matplotlib"):  # without it: JSON only, by design
+        assert out.with_suffix(".png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_comm_layer_never_imports_torch():

@@ -32,7 +32,9 @@ import torch
 import torch.nn.functional as F
 from mpi4py import MPI
 
+from ..progress import Progress
 from .output import write_json
+from .settings import applied, configurations, describe, ratio_line
 from .timing import live_tensor_peak_kib, median, on_rank0, time_on_rank0
 
 DEFAULT_TOKENS = (16384, 32768, 65536)
@@ -92,9 +94,28 @@ def _transfer_time(blocks, repeats: int) -> float:
     return median(samples)
 
 
+def _figures(ring, single, transfer, mem_ring, mem_one) -> dict:
+    """One configuration's figures for one sequence length from its samples."""
+    wall, wall1 = median([r["wall"] for r in ring]), median([s["wall"] for s in single])
+    cpu, cpu1 = median([r["cpu"] for r in ring]), median([s["cpu"] for s in single])
+    exposed = median([max(r["wait"]) for r in ring])
+    return {
+        "median_step_s": {"ranks": wall, "one_process": wall1}, "speedup": wall1 / wall,
+        "median_cpu_s": {"ranks": cpu, "one_process": cpu1}, "cpu_speedup": cpu1 / cpu,
+        "ring_wait_exposed_s": exposed, "transfer_s": transfer,
+        "exposed_fraction_of_step": exposed / wall,
+        "exposed_fraction_of_transfer": exposed / transfer if transfer else float("nan"),
+        "live_tensor_peak_mib": {"per_rank": max(mem_ring) / 1024, "one_process": mem_one / 1024},
+        "memory_ratio": max(mem_ring) / mem_one if mem_one else float("nan"),
+        "samples": {"ranks": ring, "one_process": single},
+    }
+
+
 def run(tokens=DEFAULT_TOKENS, heads: int = 1, head_dim: int = 32, causal: bool = False,
-        repeats: int = 3, out: str = "bench-out/attention.json", log=print) -> dict:
-    """Collective. Every sequence length, N ranks against one process."""
+        repeats: int = 3, out: str = "bench-out/attention.json", log=print,
+        compare=None) -> dict:
+    """Collective. Every sequence length, N ranks against one process; with
+    ``compare``, each step again under configuration B's settings, alternating."""
     from ..comm import ProcessGrid, init
     comm = init()
     rank, size = comm.Get_rank(), comm.Get_size()
@@ -104,57 +125,82 @@ def run(tokens=DEFAULT_TOKENS, heads: int = 1, head_dim: int = 32, causal: bool 
     say(f"domainpar bench attention: SDPA forward+backward, (1, {heads}, T, {head_dim}) float32, "
         f"{'causal' if causal else 'not causal'}, {size} ranks against one process, "
         f"{repeats} steps each, interleaved", flush=True)
+    configs = {"A": None}
+    if compare:
+        configs["B"] = compare
+        say(f"compared, interleaved step by step: {describe(compare)}", flush=True)
     load = [os.getloadavg()]
     results = {}
+    bar = Progress(len(tokens) * repeats, "bench attention", comm=comm)
     for t in tokens:
         whole = _inputs(t, heads, head_dim, torch.float32)
         blocks = _sharded(whole, grid)
-        _ring_step(blocks, causal)  # warm-up: plans, buffers, first-call costs
-        time_on_rank0(comm, lambda: _step(*whole, causal))
-        ring, single = [], []
+        for settings in configs.values():
+            with applied(settings):  # warm-up: plans, buffers, first-call costs
+                _ring_step(blocks, causal)
+                time_on_rank0(comm, lambda: _step(*whole, causal))
+        ring = {name: [] for name in configs}
+        single = {name: [] for name in configs}
         for i in range(repeats):
-            ring.append(_ring_step(blocks, causal))
-            single.append(time_on_rank0(comm, lambda: _step(*whole, causal)))
-            say(f"  T={t}: step {i + 1}/{repeats}: {size} ranks {ring[-1]['wall']:.2f} s, "
-                f"one process {single[-1]['wall']:.2f} s", flush=True)
-        transfer = _transfer_time(blocks, repeats)
-        mem_ring = comm.allgather(live_tensor_peak_kib(lambda: _step(*blocks, causal)))
-        mem_one = on_rank0(comm, lambda: live_tensor_peak_kib(lambda: _step(*whole, causal)))
-        wall, wall1 = median([r["wall"] for r in ring]), median([s["wall"] for s in single])
-        cpu, cpu1 = median([r["cpu"] for r in ring]), median([s["cpu"] for s in single])
-        exposed = median([max(r["wait"]) for r in ring])
-        results[str(t)] = {
-            "tokens": t, "local_tokens": list(blocks[0].decomposition.block_sizes(2)),
-            "median_step_s": {"ranks": wall, "one_process": wall1}, "speedup": wall1 / wall,
-            "median_cpu_s": {"ranks": cpu, "one_process": cpu1}, "cpu_speedup": cpu1 / cpu,
-            "ring_wait_exposed_s": exposed, "transfer_s": transfer,
-            "exposed_fraction_of_step": exposed / wall,
-            "exposed_fraction_of_transfer": exposed / transfer if transfer else float("nan"),
-            "live_tensor_peak_mib": {"per_rank": max(mem_ring) / 1024,
-                                     "one_process": mem_one / 1024},
-            "memory_ratio": max(mem_ring) / mem_one if mem_one else float("nan"),
-            "samples": {"ranks": ring, "one_process": single},
-        }
+            for name, settings in configs.items():
+                with applied(settings):
+                    ring[name].append(_ring_step(blocks, causal))
+                    single[name].append(time_on_rank0(comm, lambda: _step(*whole, causal)))
+            bar.update(T=t, ranks=f"{ring['A'][-1]['wall']:.2f} s",
+                       one_process=f"{single['A'][-1]['wall']:.2f} s")
+        figures = {}
+        for name, settings in configs.items():
+            with applied(settings):
+                transfer = _transfer_time(blocks, repeats)
+                mem_ring = comm.allgather(live_tensor_peak_kib(lambda: _step(*blocks, causal)))
+                mem_one = on_rank0(comm, lambda: live_tensor_peak_kib(
+                    lambda: _step(*whole, causal)))
+            figures[name] = _figures(ring[name], single[name], transfer, mem_ring, mem_one)
+        results[str(t)] = {"tokens": t,
+                           "local_tokens": list(blocks[0].decomposition.block_sizes(2)),
+                           **figures["A"]}
+        if compare:
+            results[str(t)]["B"] = figures["B"]
+            results[str(t)]["ratio_B_over_A"] = _ratios(figures["B"], figures["A"])
+    bar.close()
     load.append(os.getloadavg())
     report = {"benchmark": "attention", "ranks": size, "host": platform.node(),
               "cpus": os.cpu_count(), "loadavg_start_end": load, "torch": torch.__version__,
               "torch_threads_per_rank": 1, "heads": heads, "head_dim": head_dim,
-              "causal": causal, "dtype": "float32", "cases": results}
+              "causal": causal, "dtype": "float32", "configurations": configurations(compare),
+              "cases": results}
     if rank == 0:
         _print(report, log)
         write_json(report, out, log)
     return report
 
 
+def _ratios(b: dict, a: dict) -> dict:
+    """B over A of the step medians (N ranks, one process) and the memory peaks."""
+    return {"step_ranks": b["median_step_s"]["ranks"] / a["median_step_s"]["ranks"],
+            "step_one_process": (b["median_step_s"]["one_process"]
+                                 / a["median_step_s"]["one_process"]),
+            "speedup": b["speedup"] / a["speedup"],
+            "live_tensor_peak_per_rank": (b["live_tensor_peak_mib"]["per_rank"]
+                                          / a["live_tensor_peak_mib"]["per_rank"])}
+
+
 def _print(report: dict, log) -> None:
     n = report["ranks"]
-    log(f"\n{'tokens':>7} {'1 proc s':>9} {f'{n} ranks s':>10} {'speedup':>8} {'cpu speedup':>11} "
-        f"{'exposed ms':>11} {'transfer ms':>12} {'live MiB 1 proc':>16} "
+    compared = "B" in report["configurations"]
+    log(f"\n{'':>2} {'tokens':>7} {'1 proc s':>9} {f'{n} ranks s':>10} {'speedup':>8} "
+        f"{'cpu speedup':>11} {'exposed ms':>11} {'transfer ms':>12} {'live MiB 1 proc':>16} "
         f"{'per rank':>9} {'ratio':>6}")
-    for c in report["cases"].values():
-        m, mem = c["median_step_s"], c["live_tensor_peak_mib"]
-        log(f"{c['tokens']:>7} {m['one_process']:9.2f} {m['ranks']:10.2f} {c['speedup']:8.2f} {c['cpu_speedup']:11.2f} "
-            f"{c['ring_wait_exposed_s'] * 1e3:11.1f} {c['transfer_s'] * 1e3:12.1f} "
-            f"{mem['one_process']:16.1f} {mem['per_rank']:9.1f} {c['memory_ratio']:6.2f}")
+    for case in report["cases"].values():
+        for name in ("A", "B") if compared else ("A",):
+            c = case if name == "A" else case["B"]
+            m, mem = c["median_step_s"], c["live_tensor_peak_mib"]
+            log(f"{name if compared else '':>2} {case['tokens']:>7} {m['one_process']:9.2f} "
+                f"{m['ranks']:10.2f} {c['speedup']:8.2f} {c['cpu_speedup']:11.2f} "
+                f"{c['ring_wait_exposed_s'] * 1e3:11.1f} {c['transfer_s'] * 1e3:12.1f} "
+                f"{mem['one_process']:16.1f} {mem['per_rank']:9.1f} {c['memory_ratio']:6.2f}")
+    if compared:
+        log(ratio_line(f"step on {n} ranks", {f"T={c['tokens']}": c["ratio_B_over_A"]["step_ranks"]
+                                                for c in report["cases"].values()}))
     log(f"Load average {report['loadavg_start_end'][0][0]:.1f} at the start, "
         f"{report['cpus']} CPUs.")

@@ -5,9 +5,11 @@ Benchmarks import torch and MPI only when they run, so `--help` stays instant.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from ..cli import positive, under_launcher
+from . import settings
 
 
 def _bench_halo(args) -> int:
@@ -15,7 +17,7 @@ def _bench_halo(args) -> int:
     from ..comm import init
     init()
     halo.run(dims=args.dims, faces_mib=args.faces, width=args.width, block=args.block,
-             repeats=args.repeats, out=args.out)
+             repeats=args.repeats, out=args.out, compare=args.compare)
     return 0
 
 
@@ -24,7 +26,7 @@ def _bench_grads(args) -> int:
     from ..comm import init
     init()
     grads.run(layers=args.layers, width=args.width, side=args.side, repeats=args.repeats,
-              out=args.out)
+              out=args.out, compare=args.compare)
     return 0
 
 
@@ -33,7 +35,8 @@ def _bench_io(args) -> int:
     from ..comm import init
     init()
     io.run(samples=args.samples, channels=args.channels, side=args.side, repeats=args.repeats,
-           compute_ms=args.compute_ms, directory=args.dir, out=args.out)
+           compute_ms=args.compute_ms, directory=args.dir, out=args.out,
+           compare=args.compare)
     return 0
 
 
@@ -44,15 +47,43 @@ def _bench_conv(args) -> int:
                  "run it without mpiexec")
     conv.run(nprocs=args.nprocs, cases=args.cases, repeats=args.repeats,
              memory_repeats=args.memory_repeats, probe_repeats=args.probe_repeats,
-             unet=args.unet, unet_shape=args.unet_shape, scale=args.scale, out=args.out)
+             unet=args.unet, unet_shape=args.unet_shape, scale=args.scale, out=args.out,
+             compare=args.compare)
     return 0
 
 
 def _bench_attention(args) -> int:
     from . import attention
     attention.run(tokens=args.tokens, heads=args.heads, head_dim=args.head_dim,
-                  causal=args.causal, repeats=args.repeats, out=args.out)
+                  causal=args.causal, repeats=args.repeats, out=args.out,
+                  compare=args.compare)
     return 0
+
+
+def _bench_scaling(args) -> int:
+    from . import scaling
+    if under_launcher():
+        sys.exit("domainpar bench scaling launches its own jobs (one per rank count); "
+                 "run it without mpiexec")
+    scaling.run(nprocs=args.nprocs, ranks=args.ranks, strong_shape=args.strong_shape,
+                weak_block=args.weak_block, repeats=args.repeats, width=args.width,
+                levels=args.levels, modes=args.modes, out=args.out, compare=args.compare)
+    return 0
+
+
+def _count(text: str) -> int:
+    """argparse type: a whole number >= 0."""
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
+    return value
+
+
+def _add_out(parser: argparse.ArgumentParser, name: str) -> None:
+    """The output option every benchmark takes."""
+    parser.add_argument("--out", default=f"bench-out/{name}.json",
+                        help=f"JSON output path; the PNG goes beside it, same name with .png "
+                             f"(default bench-out/{name}.json)")
 
 
 def _add_nprocs(parser: argparse.ArgumentParser) -> None:
@@ -64,7 +95,18 @@ def _add_nprocs(parser: argparse.ArgumentParser) -> None:
 
 def add_parser(subparsers) -> None:
     """Add `bench` and its subcommands to the top-level subparsers."""
-    bench = subparsers.add_parser("bench", help="benchmarks (JSON out)")
+    bench = subparsers.add_parser(
+        "bench", help="benchmarks (table, JSON and PNG out; --compare times a second "
+                      "configuration beside the first)",
+        description="Benchmarks. Each prints a table on stdout and progress on stderr, and "
+                    "writes JSON (--out) and a PNG of it beside it (same name, .png; "
+                    "matplotlib needed). Each takes --compare KEY=VALUE ...: a second "
+                    "configuration B, the environment with those domainpar settings "
+                    "changed, timed beside the first (A, the environment as it is), "
+                    "interleaved sample by sample in one run (conv and scaling, which "
+                    "launch their own jobs, alternate A's and B's jobs); the JSON gets both "
+                    "(B's figures under \"B\") and the B/A median ratios "
+                    "(\"ratio_B_over_A\"). Keys: " + ", ".join(settings.KEYS) + ".")
     bench_sub = bench.add_subparsers(dest="benchmark", required=True)
     halo = bench_sub.add_parser(
         "halo", help="HaloExchange.fill against raw mpi4py Sendrecv of the same bytes",
@@ -85,7 +127,8 @@ def add_parser(subparsers) -> None:
                       help="block extent along the sharded axis (default 8)")
     halo.add_argument("--repeats", type=positive(int), default=11,
                       help="timed runs per path (default 11; halved for faces > 16 MiB)")
-    halo.add_argument("--out", default="bench-out/halo.json", help="JSON output path")
+    _add_out(halo, "halo")
+    settings.add_argument(halo)
     halo.set_defaults(run=_bench_halo)
 
     grads = bench_sub.add_parser(
@@ -105,7 +148,8 @@ def add_parser(subparsers) -> None:
                        help="spatial side of the (1, side, side, width) field (default 16)")
     grads.add_argument("--repeats", type=positive(int), default=7,
                        help="timed steps per variant (default 7)")
-    grads.add_argument("--out", default="bench-out/grads.json", help="JSON output path")
+    _add_out(grads, "grads")
+    settings.add_argument(grads)
     grads.set_defaults(run=_bench_grads)
 
     attention = bench_sub.add_parser(
@@ -128,7 +172,8 @@ def add_parser(subparsers) -> None:
     attention.add_argument("--causal", action="store_true", help="is_causal=True")
     attention.add_argument("--repeats", type=positive(int), default=3,
                            help="timed steps per side (default 3)")
-    attention.add_argument("--out", default="bench-out/attention.json", help="JSON output path")
+    _add_out(attention, "attention")
+    settings.add_argument(attention)
     attention.set_defaults(run=_bench_attention)
 
     conv = bench_sub.add_parser(
@@ -153,9 +198,9 @@ def add_parser(subparsers) -> None:
                       default=["conv3d", "conv2d"], help="conv cases (default: both)")
     conv.add_argument("--repeats", type=positive(int), default=7,
                       help="timed steps per side (default 7)")
-    conv.add_argument("--memory-repeats", type=positive(int), default=2,
+    conv.add_argument("--memory-repeats", type=_count, default=2,
                       help="fresh jobs per memory measurement, side and allocator setting "
-                           "(default 2)")
+                           "(default 2; 0 measures no memory)")
     conv.add_argument("--probe-repeats", type=positive(int), default=5,
                       help="timed runs of the interior/boundary split probe (default 5)")
     conv.add_argument("--unet", default="domainpar.bench.conv:small_unet",
@@ -166,7 +211,8 @@ def add_parser(subparsers) -> None:
                       help="its input shape (default 1 2 64 64 64)")
     conv.add_argument("--scale", type=positive(float), default=1.0,
                       help="multiply every spatial size by this, for a quick run (default 1)")
-    conv.add_argument("--out", default="bench-out/conv.json", help="JSON output path")
+    _add_out(conv, "conv")
+    settings.add_argument(conv)
     conv.set_defaults(run=_bench_conv, launches_jobs=True)
 
     io = bench_sub.add_parser(
@@ -190,5 +236,42 @@ def add_parser(subparsers) -> None:
     io.add_argument("--compute-ms", type=float, default=None,
                     help="the stand-in step per sample in ms (default: one sample's read time)")
     io.add_argument("--dir", default=None, help="where the temporary file goes (default: $TMPDIR)")
-    io.add_argument("--out", default="bench-out/io.json", help="JSON output path")
+    _add_out(io, "io")
+    settings.add_argument(io)
     io.set_defaults(run=_bench_io)
+
+    scaling = bench_sub.add_parser(
+        "scaling", help="strong and weak scaling of a UNet training step over 1..N ranks",
+        description="Times one training step of a 3-D UNet (domainpar.testing.models.UNet3d: "
+                    "forward, MSE loss, backward, SGD step, DomainParallel), float32, sharded "
+                    "along dim 2, one torch thread per rank, on 1, 2, 4, ... N ranks, each "
+                    "rank count in its own job: strong scaling (a fixed global field; "
+                    "efficiency T1 / (n Tn)) and weak scaling (a fixed block per rank, the "
+                    "global depth growing with the ranks; efficiency T1 / Tn). More ranks "
+                    "than cores oversubscribe them: the output says how many cores there are. "
+                    "Run it without mpiexec: it launches its own jobs. Prints a table; writes "
+                    "JSON and a PNG of step time and efficiency against ranks. "
+                    "examples/scaling.py times the same step at one rank count.")
+    scaling.add_argument("-n", "--nprocs", type=positive(int), default=os.cpu_count() or 1,
+                         help="the most ranks: 1, 2, 4, ... up to N, and N (default: the "
+                              f"core count, {os.cpu_count()} here)")
+    scaling.add_argument("--ranks", type=positive(int), nargs="+", default=None,
+                         help="the rank counts to run instead (e.g. 1 2 3 4)")
+    scaling.add_argument("--strong-shape", type=positive(int), nargs=5,
+                         default=[1, 2, 64, 64, 64], metavar=("N", "C", "D", "H", "W"),
+                         help="strong scaling's global field (default 1 2 64 64 64)")
+    scaling.add_argument("--weak-block", type=positive(int), nargs=5,
+                         default=[1, 2, 32, 64, 64], metavar=("N", "C", "D", "H", "W"),
+                         help="weak scaling's block per rank, D growing with the ranks "
+                              "(default 1 2 32 64 64)")
+    scaling.add_argument("--modes", nargs="+", choices=["strong", "weak"],
+                         default=["strong", "weak"], help="which scalings (default both)")
+    scaling.add_argument("--repeats", type=positive(int), default=5,
+                         help="timed steps per rank count, after one warm-up (default 5)")
+    scaling.add_argument("--width", type=positive(int), default=4,
+                         help="the UNet's channels at the first level (default 4)")
+    scaling.add_argument("--levels", type=positive(int), default=4,
+                         help="the UNet's levels (default 4)")
+    _add_out(scaling, "scaling")
+    settings.add_argument(scaling)
+    scaling.set_defaults(run=_bench_scaling, launches_jobs=True)

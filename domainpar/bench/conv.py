@@ -36,15 +36,12 @@ that this process collects (``python -m domainpar.bench.conv --worker ...``).
 from __future__ import annotations
 
 import argparse
-import contextlib
 import ctypes
 import gc
 import importlib
-import json
 import os
 import platform
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -53,8 +50,11 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from ..progress import Progress
+from . import jobs, settings
 from .output import write_json
-from .timing import idle_barrier, live_tensor_peak_kib, on_rank0, time_on_rank0
+from .settings import configurations, describe
+from .timing import live_tensor_peak_kib, on_rank0, quiet_stderr, time_on_rank0
 
 CASES = {  # name -> (module factory, global input shape)
     "conv3d": (lambda: torch.nn.Conv3d(4, 4, 3, padding=1), (1, 4, 128, 128, 128)),
@@ -220,34 +220,20 @@ def _profile(comm, step, collective: bool) -> dict:
 
     def run():
         prof = profile(activities=[ProfilerActivity.CPU])
-        with _quiet_stderr():  # kineto prints a line at start and stop
+        with quiet_stderr():  # kineto prints a line at start and stop
             prof.start()
         try:
             if collective:
                 comm.Barrier()  # every rank profiling before the step starts
             step()
         finally:
-            with _quiet_stderr():
+            with quiet_stderr():
                 prof.stop()
         return _summary(prof.key_averages())
     if not collective:
         return on_rank0(comm, run)
     summary = run()
     return comm.bcast(summary if comm.Get_rank() == 0 else None, root=0)
-
-
-@contextlib.contextmanager
-def _quiet_stderr():
-    """Point file descriptor 2 at /dev/null (C++ libraries write there directly)."""
-    sys.stderr.flush()
-    saved, devnull = os.dup(2), os.open(os.devnull, os.O_WRONLY)
-    os.dup2(devnull, 2)
-    os.close(devnull)
-    try:
-        yield
-    finally:
-        os.dup2(saved, 2)
-        os.close(saved)
 
 
 def _summary(averages) -> dict:
@@ -314,7 +300,9 @@ def _time_worker(args) -> dict:
     rank, size = comm.Get_rank(), comm.Get_size()
     grid = ProcessGrid((size,))
     _instrument()
-    say = print if rank == 0 else (lambda *a, **k: None)
+    # what the job is doing goes to stderr beside the progress bars; stdout is the table's
+    say = (lambda *a, **k: print(*a, file=sys.stderr, **k)) if rank == 0 else (
+        lambda *a, **k: None)
     report = {}
     for name in args.cases:
         factory, shape, _ = _spec(name, DEFAULT_UNET, DEFAULT_UNET_SHAPE, args.scale)
@@ -326,14 +314,16 @@ def _time_worker(args) -> dict:
         ranks_step()
         time_on_rank0(comm, single)
         samples = {"ranks": [], "one_process": []}
+        bar = Progress(args.repeats, f"  {name} steps", comm=comm)
         for i in range(args.repeats):
             # alternate which goes first, so neither always follows the other
             order = ("ranks", "one_process") if i % 2 == 0 else ("one_process", "ranks")
             for path in order:
                 samples[path].append(_time_ranks(comm, ranks_step) if path == "ranks"
                                      else time_on_rank0(comm, single))
-            say(f"  {i + 1}/{args.repeats}: {size} ranks {samples['ranks'][-1]['wall']:.3f} s, "
-                f"one process {samples['one_process'][-1]['wall']:.3f} s", flush=True)
+            bar.update(ranks=f"{samples['ranks'][-1]['wall']:.3f} s",
+                       one_process=f"{samples['one_process'][-1]['wall']:.3f} s")
+        bar.close()
         say(f"{name}: profiling one step of each, then the interior/boundary split", flush=True)
         profiles = {"ranks": _profile(comm, ranks_step, collective=True),
                     "one_process": _profile(comm, single, collective=False)}
@@ -429,14 +419,10 @@ ALLOCATORS = {"default_malloc": {},
               "fixed_mmap_threshold": {"MALLOC_MMAP_THRESHOLD_": str(128 * 1024)}}
 
 
-def _launch(nprocs: int, worker_args: list[str], result: Path, env: dict | None = None) -> dict:
-    from ..cli import mpiexec_env, mpiexec_path
-    cmd = [mpiexec_path(), "-n", str(nprocs), sys.executable, "-m", "domainpar.bench.conv",
-           *worker_args, "--result", str(result)]
-    code = subprocess.call(cmd, env={**mpiexec_env(), **(env or {})})
-    if code != 0:
-        raise SystemExit(f"domainpar bench conv: worker failed (exit {code}): {' '.join(cmd)}")
-    return json.loads(result.read_text())
+def _launch(nprocs: int, worker_args: list[str], result: Path, config=None,
+            env: dict | None = None) -> dict:
+    """A job of this module: configuration ``config``'s settings (None: A's)."""
+    return jobs.launch("domainpar.bench.conv", nprocs, worker_args, result, config, env)
 
 
 def _median(values):
@@ -445,51 +431,91 @@ def _median(values):
 
 def run(nprocs: int = 2, cases=("conv3d", "conv2d"), repeats: int = 7, memory_repeats: int = 2,
         probe_repeats: int = 5, unet: str = DEFAULT_UNET, unet_shape=DEFAULT_UNET_SHAPE,
-        scale: float = 1.0, out: str = "bench-out/conv.json", log=print) -> dict:
-    """Launch the timing and memory jobs, print a summary, write JSON to ``out``."""
+        scale: float = 1.0, out: str = "bench-out/conv.json", log=print, compare=None) -> dict:
+    """Launch the timing and memory jobs, print a summary, write JSON and PNG to
+    ``out``. With ``compare``, each job again under configuration B's settings,
+    A's and B's jobs alternating."""
+    from ..cli import mpiexec_env
     if nprocs < 2:
         raise SystemExit("domainpar bench conv compares N >= 2 ranks with one process: use -n 2 "
                          "or more")
+    configs = {"A": None, **({"B": compare} if compare else {})}
     common = ["--scale", str(scale), "--unet", unet, "--unet-shape", *map(str, unet_shape)]
+    whats = [*cases, "unet"]
+    memory_jobs = memory_repeats * len(whats) * len(ALLOCATORS) * 2 * len(configs)
     load = [os.getloadavg()]
+    timing: dict = {}
+    memory_runs = {name: {a: {w: {"1": [], str(nprocs): []} for w in whats} for a in ALLOCATORS}
+                   for name in configs}
+    log(f"domainpar bench conv: {', '.join(cases)} on {nprocs} ranks against one process, "
+        f"{repeats} steps each, interleaved (one {nprocs}-rank job"
+        f"{' per configuration' if compare else ''}); peak memory: {len(whats)} steps x "
+        f"(1 process, {nprocs} ranks) x {len(ALLOCATORS)} allocator settings x "
+        f"{memory_repeats}{' x 2 configurations' if compare else ''}, each in a fresh job",
+        flush=True)
+    if compare:
+        log(f"compared, jobs alternating: {describe(compare, mpiexec_env())}", flush=True)
+    bar = Progress(len(configs) + memory_jobs, "bench conv jobs")
     with tempfile.TemporaryDirectory() as tmp:
-        log(f"domainpar bench conv: {', '.join(cases)} on {nprocs} ranks against one process, "
-            f"{repeats} steps each, interleaved (one {nprocs}-rank job)", flush=True)
-        timing = _launch(nprocs, ["--worker", "time", "--cases", *cases, "--repeats",
-                                  str(repeats), "--probe-repeats", str(probe_repeats), *common],
-                         Path(tmp) / "time.json")
-        whats = [*cases, "unet"]
-        log(f"peak memory: {len(whats)} steps x (1 process, {nprocs} ranks) x "
-            f"{len(ALLOCATORS)} allocator settings x {memory_repeats}, each in a fresh job",
-            flush=True)
-        memory_runs = {a: {w: {"1": [], str(nprocs): []} for w in whats} for a in ALLOCATORS}
+        for name, values in configs.items():
+            timing[name] = _launch(nprocs, ["--worker", "time", "--cases", *cases, "--repeats",
+                                            str(repeats), "--probe-repeats", str(probe_repeats),
+                                            *common], Path(tmp) / "time.json", values)
+            bar.update(job=f"timing ({name})")
         for i in range(memory_repeats):
             for what in whats:
                 for alloc, env in ALLOCATORS.items():
                     for n in (1, nprocs):
-                        log(f"  [{i + 1}/{memory_repeats}] {what}, {alloc}, {n} rank(s)",
-                            flush=True)
-                        res = _launch(n, ["--worker", "memory", "--what", what, *common],
-                                      Path(tmp) / "memory.json", env)
-                        memory_runs[alloc][what][str(n)].append(res)
-        load.append(os.getloadavg())
+                        for name, values in configs.items():
+                            res = _launch(n, ["--worker", "memory", "--what", what, *common],
+                                          Path(tmp) / "memory.json", values, env)
+                            memory_runs[name][alloc][what][str(n)].append(res)
+                            bar.update(job=f"memory {i + 1}/{memory_repeats} {what}, {alloc}, "
+                                           f"{n} rank(s) ({name})")
+    bar.close()
+    load.append(os.getloadavg())
     report = {"benchmark": "conv", "ranks": nprocs, "host": platform.node(),
               "cpus": os.cpu_count(), "loadavg_start_end": load, "torch": torch.__version__,
               "torch_threads_per_rank": 1, "sharded_dim": SHARDED_DIM, "scale": scale,
               "targets": {"speedup_conv3d": TARGET_SPEEDUP, "unet_memory_ratio": TARGET_MEMORY},
-              "cases": {}, "memory": {}}
-    for name, t in timing.items():
-        report["cases"][name] = _timing_summary(t)
-    for alloc, by_what in memory_runs.items():
-        report["memory"][alloc] = {w: _memory_summary(runs, nprocs) for w, runs in by_what.items()}
-    if "conv3d" in report["cases"] and scale == 1.0:
-        report["meets_speedup_target"] = \
-            report["cases"]["conv3d"]["speedup"] >= TARGET_SPEEDUP
-    report["meets_memory_target"] = {a: m["unet"]["ratio"] <= TARGET_MEMORY
-                                     for a, m in report["memory"].items()}
+              "configurations": configurations(compare, mpiexec_env()),
+              **_figures(timing["A"], memory_runs["A"], nprocs, scale)}
+    if compare:
+        report["B"] = _figures(timing["B"], memory_runs["B"], nprocs, scale)
+        report["ratio_B_over_A"] = _ratios(report["B"], report)
     _print(report, log)
     write_json(report, out, log)
     return report
+
+
+def _figures(timing: dict, memory_runs: dict, nprocs: int, scale: float) -> dict:
+    """One configuration's summaries: its timing job's cases, its memory jobs'
+    peaks per allocator setting (none when no memory jobs ran), the targets met."""
+    out = {"cases": {name: _timing_summary(t) for name, t in timing.items()},
+           "memory": {alloc: {w: _memory_summary(runs, nprocs) for w, runs in by_what.items()}
+                      for alloc, by_what in memory_runs.items()
+                      if all(runs["1"] for runs in by_what.values())}}
+    if "conv3d" in out["cases"] and scale == 1.0:
+        out["meets_speedup_target"] = out["cases"]["conv3d"]["speedup"] >= TARGET_SPEEDUP
+    if out["memory"]:
+        out["meets_memory_target"] = {a: m["unet"]["ratio"] <= TARGET_MEMORY
+                                      for a, m in out["memory"].items()}
+    return out
+
+
+def _ratios(b: dict, a: dict) -> dict:
+    """B over A: each case's step medians and speedup, each memory ratio."""
+    out = {name: {"step_ranks": b["cases"][name]["median_step_s"]["ranks"]
+                  / c["median_step_s"]["ranks"],
+                  "step_one_process": b["cases"][name]["median_step_s"]["one_process"]
+                  / c["median_step_s"]["one_process"],
+                  "speedup": b["cases"][name]["speedup"] / c["speedup"]}
+           for name, c in a["cases"].items()}
+    if a["memory"]:
+        out["memory_ratio"] = {alloc: {w: b["memory"][alloc][w]["ratio"] / m["ratio"]
+                                       for w, m in by_what.items()}
+                               for alloc, by_what in a["memory"].items()}
+    return out
 
 
 def _timing_summary(t: dict) -> dict:
@@ -546,39 +572,58 @@ def _memory_summary(runs: dict, nprocs: int) -> dict:
 
 def _print(report: dict, log) -> None:
     n = report["ranks"]
-    log(f"\n{'case':<8} {'1 proc s':>9} {f'{n} ranks s':>10} {'speedup':>8} {'cpu speedup':>11} "
+    parts = settings.parts(report)
+    tag = (lambda name: f"{name} ") if len(parts) > 1 else (lambda name: "")
+    log(f"\n{'case':<10} {'1 proc s':>9} {f'{n} ranks s':>10} {'speedup':>8} {'cpu speedup':>11} "
         f"{'halo exposed ms':>20} {'+copies':>8} {'split overhead ms':>19}")
-    log(f"{'':<50} {'(cost-exposed)':>20} {'':>8} {'(forward/step)':>19}")
-    for name, c in report["cases"].items():
-        m, h, p = c["median_step_s"], c["halo_exposed_s"], c["split_probe"]
-        log(f"{name:<8} {m['one_process']:9.3f} {m['ranks']:10.3f} {c['speedup']:8.2f} "
-            f"{c['cpu_speedup']:11.2f} {h['exchange_cost'] * 1e3:10.2f}-"
-            f"{h['exchange'] * 1e3:.2f} ms {h['functions_with_copies'] * 1e3:5.1f} ms "
-            f"{p['forward_overhead_s'] * 1e3:+10.1f}/{p['step_overhead_s'] * 1e3:+.1f}")
-        kinds = c["profile"]["ranks"]["self_ms_by_kind"]
-        log("         profile, rank 0 of the N-rank step (self ms): "
-            + ", ".join(f"{k} {v:.0f}" for k, v in kinds.items()))
-        kinds = c["profile"]["one_process"]["self_ms_by_kind"]
-        log("         profile, one process (self ms):              "
-            + ", ".join(f"{k} {v:.0f}" for k, v in kinds.items()))
-    log(f"\n{'peak above import baseline':<38} {'1 proc MiB':>10} {'per rank MiB':>12} "
-        f"{'ratio':>6}")
-    for alloc, by_what in report["memory"].items():
-        for what, m in by_what.items():
-            v = m["peak_above_baseline_mib"]
-            log(f"{what + ', ' + alloc:<38} {v['one_process']:10.1f} {v['per_rank']:12.1f} "
-                f"{m['ratio']:6.3f}")
-    for what, m in next(iter(report["memory"].values())).items():
-        v = m["live_tensor_peak_mib"]
-        log(f"{what + ', live tensors (profiler)':<38} {v['one_process']:10.1f} "
-            f"{v['per_rank']:12.1f} {m['live_tensor_ratio']:6.3f}")
-    memory = ", ".join(f"{'met' if ok else 'MISSED'} ({a})"
-                       for a, ok in report["meets_memory_target"].items())
-    speed = ""
-    if "meets_speedup_target" in report:
-        speed = (f"conv3d speedup >= {TARGET_SPEEDUP}: "
-                 f"{'met' if report['meets_speedup_target'] else 'MISSED'}; ")
-    log(f"targets: {speed}UNet memory ratio <= {TARGET_MEMORY}: {memory}. Load average "
+    log(f"{'':<52} {'(cost-exposed)':>20} {'':>8} {'(forward/step)':>19}")
+    for case in report["cases"]:
+        for name, part in parts:
+            c = part["cases"][case]
+            m, h, p = c["median_step_s"], c["halo_exposed_s"], c["split_probe"]
+            log(f"{tag(name) + case:<10} {m['one_process']:9.3f} {m['ranks']:10.3f} "
+                f"{c['speedup']:8.2f} {c['cpu_speedup']:11.2f} {h['exchange_cost'] * 1e3:10.2f}-"
+                f"{h['exchange'] * 1e3:.2f} ms {h['functions_with_copies'] * 1e3:5.1f} ms "
+                f"{p['forward_overhead_s'] * 1e3:+10.1f}/{p['step_overhead_s'] * 1e3:+.1f}")
+            kinds = c["profile"]["ranks"]["self_ms_by_kind"]
+            log("           profile, rank 0 of the N-rank step (self ms): "
+                + ", ".join(f"{k} {v:.0f}" for k, v in kinds.items()))
+            kinds = c["profile"]["one_process"]["self_ms_by_kind"]
+            log("           profile, one process (self ms):              "
+                + ", ".join(f"{k} {v:.0f}" for k, v in kinds.items()))
+    if report["memory"]:
+        log(f"\n{'peak above import baseline':<40} {'1 proc MiB':>10} {'per rank MiB':>12} "
+            f"{'ratio':>6}")
+        for alloc, by_what in report["memory"].items():
+            for what in by_what:
+                for name, part in parts:
+                    m = part["memory"][alloc][what]
+                    v = m["peak_above_baseline_mib"]
+                    log(f"{tag(name) + what + ', ' + alloc:<40} {v['one_process']:10.1f} "
+                        f"{v['per_rank']:12.1f} {m['ratio']:6.3f}")
+        for what in next(iter(report["memory"].values())):
+            for name, part in parts:
+                m = next(iter(part["memory"].values()))[what]
+                v = m["live_tensor_peak_mib"]
+                log(f"{tag(name) + what + ', live tensors (profiler)':<40} "
+                    f"{v['one_process']:10.1f} {v['per_rank']:12.1f} "
+                    f"{m['live_tensor_ratio']:6.3f}")
+    if "ratio_B_over_A" in report:
+        log(settings.ratio_line(f"step on {n} ranks", {
+            case: r["step_ranks"] for case, r in report["ratio_B_over_A"].items()
+            if case != "memory_ratio"}))
+    targets = []
+    for name, part in parts:
+        if "meets_speedup_target" in part:
+            targets.append(f"{tag(name)}conv3d speedup >= {TARGET_SPEEDUP}: "
+                           f"{'met' if part['meets_speedup_target'] else 'MISSED'}")
+        if "meets_memory_target" in part:
+            targets.append(f"{tag(name)}UNet memory ratio <= {TARGET_MEMORY}: " + ", ".join(
+                f"{'met' if ok else 'MISSED'} ({a})"
+                for a, ok in part["meets_memory_target"].items()))
+    if not report["memory"]:
+        targets.append("memory not measured (--memory-repeats 0)")
+    log(f"targets: {'; '.join(targets) or 'not applicable at this scale'}. Load average "
         f"{report['loadavg_start_end'][0][0]:.1f} at the start, {report['cpus']} CPUs.")
 
 
@@ -594,12 +639,12 @@ def _worker_main(argv=None) -> int:
     parser.add_argument("--unet-shape", type=int, nargs="+", default=list(DEFAULT_UNET_SHAPE))
     parser.add_argument("--scale", type=float, default=1.0)
     parser.add_argument("--result", required=True)
+    settings.add_argument(parser)
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
-    result = _time_worker(args) if args.worker == "time" else _memory_worker(args)
-    from mpi4py import MPI
-    if MPI.COMM_WORLD.Get_rank() == 0:
-        Path(args.result).write_text(json.dumps(result))
+    with settings.applied(args.compare):  # configuration B's job (also in its environment)
+        result = _time_worker(args) if args.worker == "time" else _memory_worker(args)
+    jobs.write_result(result, args.result)
     return 0
 
 

@@ -3,7 +3,10 @@ collective code paths, one-process steps on rank 0 beside N-rank ones, and the
 live-tensor peak of a step."""
 from __future__ import annotations
 
+import contextlib
+import os
 import statistics
+import sys
 import time
 from typing import Callable, Mapping
 
@@ -11,22 +14,45 @@ from mpi4py import MPI
 
 
 def interleaved(comm: MPI.Comm, paths: Mapping[str, Callable[[], object]], repeats: int,
-                warmup: int = 2) -> dict[str, list[float]]:
+                warmup: int = 2, context: Callable[[str], contextlib.AbstractContextManager]
+                | None = None, progress=None) -> dict[str, list[float]]:
     """Collective. Time each path ``repeats`` times, round-robin, so that slow
     spells of a shared machine hit every path alike. One sample is the slowest
-    rank's time between a barrier and the path's end."""
+    rank's time between a barrier and the path's end. ``context(name)``, when
+    given, is entered around each call of that path, outside the timed span
+    (``settings.context_for``: configuration B's settings around B's paths);
+    ``progress`` (a Progress) advances once per round."""
+    enter = context or (lambda name: contextlib.nullcontext())
     for _ in range(warmup):
-        for fn in paths.values():
-            comm.Barrier()
-            fn()
+        for name, fn in paths.items():
+            with enter(name):
+                comm.Barrier()
+                fn()
     samples: dict[str, list[float]] = {name: [] for name in paths}
     for _ in range(repeats):
         for name, fn in paths.items():
-            comm.Barrier()
-            t0 = time.perf_counter()
-            fn()
-            samples[name].append(comm.allreduce(time.perf_counter() - t0, op=MPI.MAX))
+            with enter(name):
+                comm.Barrier()
+                t0 = time.perf_counter()
+                fn()
+                took = time.perf_counter() - t0
+            samples[name].append(comm.allreduce(took, op=MPI.MAX))
+        if progress is not None:
+            progress.update()
     return samples
+
+
+def split_configurations(samples: Mapping[str, list[float]]) -> tuple[dict, dict | None]:
+    """Samples keyed ``name`` (configuration A) and ``B:name`` (B) as (A's, B's);
+    B's is None when there are none."""
+    a = {k: v for k, v in samples.items() if not k.startswith("B:")}
+    b = {k[2:]: v for k, v in samples.items() if k.startswith("B:")}
+    return a, (b or None)
+
+
+def ratios(b: Mapping[str, float], a: Mapping[str, float]) -> dict[str, float]:
+    """B over A for every key both have (a zero in A gives no ratio)."""
+    return {k: b[k] / a[k] for k in a if k in b and a[k]}
 
 
 def median(values) -> float:
@@ -74,10 +100,30 @@ def live_tensor_peak_kib(step: Callable[[], object]) -> float:
     buffers need, without the allocator's and libraries' own resident pages
     (which RSS counts, and which make RSS about twice this for a UNet step)."""
     from torch.profiler import ProfilerActivity, profile
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+    prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
+    with quiet_stderr():  # kineto prints a line at start and stop
+        prof.start()
+    try:
         step()
+    finally:
+        with quiet_stderr():
+            prof.stop()
     live = peak = 0
     for event in sorted(prof.events(), key=lambda e: e.time_range.start):
         live += event.self_cpu_memory_usage
         peak = max(peak, live)
     return peak / 1024
+
+
+@contextlib.contextmanager
+def quiet_stderr():
+    """Point file descriptor 2 at /dev/null (C++ libraries write there directly)."""
+    sys.stderr.flush()
+    saved, devnull = os.dup(2), os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, 2)
+    os.close(devnull)
+    try:
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)

@@ -1,0 +1,238 @@
+"""`domainpar bench scaling`: strong and weak scaling of a 3-D UNet training step.
+
+The step: ``UNet3d`` (domainpar.testing.models; 4 levels, width 4) in
+``DomainParallel``, forward, mean-squared-error loss against a target,
+backward and an SGD step, float32, on a field sharded along dim 2 (depth)
+over a 1-D grid of all ranks, one torch thread per rank.
+
+- strong scaling: a fixed global field (default 1x2x64x64x64) on 1 .. N ranks;
+  efficiency ``T1 / (n * Tn)``;
+- weak scaling: a fixed block per rank (default 1x2x32x64x64; the global depth
+  grows with the ranks); efficiency ``T1 / Tn``.
+
+Each rank count runs in its own job (``python -m domainpar.bench.scaling
+--worker``), which times both modes with ``measure`` (the function
+examples/scaling.py calls too); one sample is the slowest rank's step,
+between barriers. T1 is the 1-rank job's step (the same domainpar code on a
+1-rank grid); without a 1-rank job, the smallest rank count stands in for it.
+More ranks than cores share cores: those points measure oversubscription, not
+scaling, and the output says so.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import sys
+import tempfile
+from pathlib import Path
+
+SHARDED_DIM = 2
+DEFAULT_STRONG_SHAPE = (1, 2, 64, 64, 64)
+DEFAULT_WEAK_BLOCK = (1, 2, 32, 64, 64)
+MODES = ("strong", "weak")
+
+
+# -- the step, shared with examples/scaling.py ----------------------------------------------------
+def weak_shape(block, ranks: int) -> tuple:
+    """The global shape of ``ranks`` blocks of ``block`` side by side along the sharded dim."""
+    shape = list(block)
+    shape[SHARDED_DIM] *= ranks
+    return tuple(shape)
+
+
+def unet_step(grid, shape, width: int = 4, levels: int = 4):
+    """Collective. One training step of a UNet3d on a field of global ``shape``
+    sharded along dim 2 over ``grid`` (a 1-D ProcessGrid): returns
+    (step function, this rank's block shape). Every rank builds the same initial
+    model; each generates only its own block of the input and target."""
+    import torch
+    import torch.nn.functional as F
+
+    import domainpar as dp
+    from ..testing.models import UNet3d
+    torch.manual_seed(0)  # the same initial parameters on every rank
+    model = dp.DomainParallel(UNet3d(in_channels=shape[1], out_channels=shape[1], width=width,
+                                     levels=levels), grid)
+    dec = dp.Decomposition(shape, grid, {SHARDED_DIM: 0})
+    gen = torch.Generator().manual_seed(1 + grid.rank)
+    x = dp.DomainTensor(torch.randn(dec.local_shape(), generator=gen), dec)
+    target = dp.DomainTensor(torch.randn(dec.local_shape(), generator=gen), dec)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
+
+    def step():
+        opt.zero_grad(set_to_none=True)
+        F.mse_loss(model(x), target).backward()
+        opt.step()
+    return step, tuple(dec.local_shape())
+
+
+def time_step(comm, shape, repeats: int, width: int = 4, levels: int = 4, warmup: int = 1,
+              progress=None) -> dict:
+    """Collective. The median step (the slowest rank's, between barriers) on
+    ``shape`` sharded over all ranks of ``comm``, and its samples."""
+    from ..comm import ProcessGrid
+    from .timing import interleaved, median
+    step, local = unet_step(ProcessGrid((comm.Get_size(),), comm=comm), shape, width, levels)
+    samples = interleaved(comm, {"step": step}, repeats, warmup=warmup,
+                          progress=progress)["step"]
+    return {"ranks": comm.Get_size(), "global_shape": list(shape), "local_shape": list(local),
+            "median_step_s": median(samples), "samples_s": samples}
+
+
+def measure(comm, strong_shape=DEFAULT_STRONG_SHAPE, weak_block=DEFAULT_WEAK_BLOCK,
+            repeats: int = 5, width: int = 4, levels: int = 4, modes=MODES,
+            label: str = "") -> dict:
+    """Collective. ``time_step`` in each mode at this communicator's rank count:
+    strong, the fixed global ``strong_shape``; weak, ``weak_block`` per rank."""
+    from ..progress import Progress
+    out = {}
+    for mode in modes:
+        shape = (strong_shape if mode == "strong"
+                 else weak_shape(weak_block, comm.Get_size()))
+        bar = Progress(repeats, f"{label}{mode} scaling, {comm.Get_size()} rank(s), steps",
+                       comm=comm)
+        out[mode] = time_step(comm, shape, repeats, width, levels, progress=bar)
+        bar.close()
+    return out
+
+
+# -- the benchmark: one job per rank count ------------------------------------------------------
+def default_rank_counts(nprocs: int) -> list[int]:
+    """1, 2, 4, ... up to ``nprocs``, and ``nprocs`` itself."""
+    counts, n = [], 1
+    while n < nprocs:
+        counts.append(n)
+        n *= 2
+    return counts + [nprocs]
+
+
+def _efficiencies(points: dict, mode: str) -> None:
+    """Add speedup and efficiency to each point, against the smallest rank count
+    (1 when it was run): strong T0 n0 / (n Tn), weak T0 / Tn."""
+    base = points[min(points, key=int)]
+    n0, t0 = base["ranks"], base["median_step_s"]
+    for p in points.values():
+        n, t = p["ranks"], p["median_step_s"]
+        p["speedup"] = t0 / t if mode == "strong" else n * t0 / (n0 * t)
+        p["efficiency"] = n0 * t0 / (n * t) if mode == "strong" else t0 / t
+
+
+def _figures(jobs_by_count: dict, modes) -> dict:
+    """One configuration's points per mode, with efficiencies."""
+    out = {}
+    for mode in modes:
+        points = {str(n): job[mode] for n, job in jobs_by_count.items()}
+        _efficiencies(points, mode)
+        out[mode] = {"points": points}
+    return out
+
+
+def run(nprocs: int | None = None, ranks=None, strong_shape=DEFAULT_STRONG_SHAPE,
+        weak_block=DEFAULT_WEAK_BLOCK, repeats: int = 5, width: int = 4, levels: int = 4,
+        modes=MODES, out: str = "bench-out/scaling.json", log=print, compare=None) -> dict:
+    """Launch one job per rank count (and configuration, alternating A and B),
+    print a table, write JSON and PNG to ``out``."""
+    from ..cli import mpiexec_env
+    from ..progress import Progress
+    from .jobs import launch
+    from .output import write_json
+    from .settings import configurations, describe
+    cpus = os.cpu_count() or 1
+    counts = sorted(set(ranks or default_rank_counts(nprocs or cpus)))
+    configs = {"A": None, **({"B": compare} if compare else {})}
+    over = [n for n in counts if n > cpus]
+    log(f"domainpar bench scaling: UNet3d (width {width}, {levels} levels) training step, "
+        f"{', '.join(modes)} scaling on {', '.join(map(str, counts))} ranks, one job each"
+        f"{' and configuration' if compare else ''}, median of {repeats} steps; "
+        f"this machine has {cpus} cores"
+        + (f": {', '.join(map(str, over))} ranks oversubscribe them" if over else ""),
+        flush=True)
+    if compare:
+        log(f"compared, jobs alternating: {describe(compare, mpiexec_env())}", flush=True)
+    worker = ["--worker", "--strong-shape", *map(str, strong_shape), "--weak-block",
+              *map(str, weak_block), "--repeats", str(repeats), "--width", str(width),
+              "--levels", str(levels), "--modes", *modes]
+    results = {name: {} for name in configs}
+    load = [os.getloadavg()]  # a shared machine's other load slows collectives most
+    bar = Progress(len(counts) * len(configs), "bench scaling jobs")
+    with tempfile.TemporaryDirectory() as tmp:
+        for n in counts:
+            for name, values in configs.items():
+                results[name][n] = launch("domainpar.bench.scaling", n,
+                                          worker + ["--label", f"  {name} "],
+                                          Path(tmp) / "result.json", values)
+                bar.update(job=f"{n} ranks ({name})")
+    bar.close()
+    load.append(os.getloadavg())
+    report = {"benchmark": "scaling", "rank_counts": counts, "ranks": max(counts),
+              "host": platform.node(), "cpus": cpus, "oversubscribed_rank_counts": over,
+              "loadavg_start_end": load,
+              "model": f"UNet3d(width={width}, levels={levels})", "sharded_dim": SHARDED_DIM,
+              "torch_threads_per_rank": 1, "repeats": repeats,
+              "configurations": configurations(compare, mpiexec_env()),
+              **_figures(results["A"], modes)}
+    for mode, shape in (("strong", strong_shape), ("weak", weak_block)):
+        if mode in report:
+            report[mode]["global_shape" if mode == "strong" else "block_shape"] = list(shape)
+    if compare:
+        report["B"] = _figures(results["B"], modes)
+        report["ratio_B_over_A"] = {
+            mode: {n: report["B"][mode]["points"][n]["median_step_s"] / p["median_step_s"]
+                   for n, p in report[mode]["points"].items()} for mode in modes}
+    _print(report, modes, log)
+    write_json(report, out, log)
+    return report
+
+
+def _print(report: dict, modes, log) -> None:
+    from .settings import parts, ratio_line
+    configs = parts(report)
+    log(f"\n{'':>2} {'mode':<6} {'ranks':>5} {'block per rank':>18} {'median step s':>13} "
+        f"{'min-max s':>13} {'speedup':>8} {'efficiency':>10}")
+    for mode in modes:
+        for n in report[mode]["points"]:
+            for name, part in configs:
+                p = part[mode]["points"][n]
+                note = "  (oversubscribed)" if int(n) > report["cpus"] else ""
+                log(f"{name if len(configs) > 1 else '':>2} {mode:<6} {n:>5} "
+                    f"{'x'.join(map(str, p['local_shape'])):>18} {p['median_step_s']:13.3f} "
+                    f"{min(p['samples_s']):6.3f}-{max(p['samples_s']):6.3f} "
+                    f"{p['speedup']:8.2f} {p['efficiency']:10.2f}{note}")
+    if "ratio_B_over_A" in report:
+        for mode in modes:
+            log(ratio_line(f"{mode} step (per rank count)", report["ratio_B_over_A"][mode]))
+    log(f"efficiency: strong T1 / (n Tn), weak T1 / Tn (T1: {min(report['rank_counts'])} "
+        f"rank(s)); {report['cpus']} cores on {report['host']}, load average "
+        f"{report['loadavg_start_end'][0][0]:.1f} at the start.")
+
+
+# -- worker entry point ---------------------------------------------------------------------------
+def _worker_main(argv=None) -> int:
+    from . import jobs, settings
+    parser = argparse.ArgumentParser(description="internal: a job of `domainpar bench scaling`")
+    parser.add_argument("--worker", action="store_true", required=True)
+    parser.add_argument("--strong-shape", type=int, nargs=5, required=True)
+    parser.add_argument("--weak-block", type=int, nargs=5, required=True)
+    parser.add_argument("--repeats", type=int, required=True)
+    parser.add_argument("--width", type=int, required=True)
+    parser.add_argument("--levels", type=int, required=True)
+    parser.add_argument("--modes", nargs="+", choices=MODES, required=True)
+    parser.add_argument("--label", default="")
+    parser.add_argument("--result", required=True)
+    settings.add_argument(parser)
+    args = parser.parse_args(argv)
+    import torch
+
+    from ..comm import init
+    comm = init()
+    torch.set_num_threads(1)
+    with settings.applied(args.compare):  # configuration B's job (also in its environment)
+        result = measure(comm, args.strong_shape, args.weak_block, args.repeats, args.width,
+                         args.levels, args.modes, label=args.label)
+    jobs.write_result(result, args.result)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(_worker_main())

@@ -1,0 +1,204 @@
+"""`--compare`: domainpar's run-time settings, applied around a second configuration.
+
+Every benchmark can time a second configuration, B, beside the first, A (the
+environment the command runs in): ``--compare KEY=VALUE [KEY=VALUE ...]``
+names what B changes. The keys are the environment variables domainpar reads
+(``KEYS``); an empty value unsets one (domainpar's default). B's settings are
+applied by ``applied()`` around each of B's samples, in the environment and
+in the modules that read it (some read it once, at import or on first use),
+so a timing loop alternates A and B sample by sample. A benchmark that
+launches its own jobs puts B's settings into its B jobs' environment (and the
+job applies them again in-process, for the settings read at import) and
+alternates A and B jobs.
+
+Settings take effect where domainpar reads them: a halo way when an exchange
+plans its messages (so B builds its own exchanges, under B's settings), io's
+driver when a file is opened. torch is imported only for ``OMP_NUM_THREADS``,
+and only where it is imported already (``bench halo`` runs without torch).
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import sys
+from typing import Callable, Iterator, Mapping
+
+
+def _halo_way(value: str | None) -> None:
+    from ..comm import halo
+    halo.FORCED_WAY = value or None  # read when a plan is built
+
+
+def _native(value: str | None) -> None:
+    from ..comm import packing
+    # The kernels load at import unless DOMAINPAR_NATIVE=0 was set then; this
+    # flag switches between them and numpy from call to call.
+    packing.use_native = value != "0"
+
+
+def _cuda_aware(value: str | None) -> None:
+    from ..comm import runtime
+    runtime.cuda_aware_mpi.cache_clear()  # cached answer: ask again under this setting
+
+
+def _threads(value: str | None) -> None:
+    torch = sys.modules.get("torch")
+    if torch is not None and value:  # A's count is restored by applied() itself
+        torch.set_num_threads(int(value))
+
+
+def _positive_int(value: str) -> bool:
+    return value.isdigit() and int(value) > 0
+
+
+# key -> (what it sets, accepted values (a tuple, or a test), how it is applied in-process)
+KEYS: dict[str, tuple[str, object, Callable[[str | None], None]]] = {
+    "DOMAINPAR_HALO_WAY": ("strided halo faces as derived datatypes or packed, untuned",
+                           ("datatype", "pack"), _halo_way),
+    "DOMAINPAR_NATIVE": ("C pack kernels (1) or numpy copies (0)", ("0", "1"), _native),
+    "DOMAINPAR_CUDA_AWARE": ("device buffers straight to MPI (1) or staged (0)", ("0", "1"),
+                             _cuda_aware),
+    "DOMAINPAR_IO": ("HDF5 driver", ("auto", "mpio", "serial"), lambda value: None),
+    "OMP_NUM_THREADS": ("torch threads per rank", _positive_int, _threads),
+}
+
+
+def help_text() -> str:
+    """The --compare help: the keys and their values."""
+    keys = "; ".join(f"{k}: {what} ({'|'.join(ok) if isinstance(ok, tuple) else 'N > 0'})"
+                     for k, (what, ok, _) in KEYS.items())
+    return ("time a second configuration B beside A (the current environment), interleaved "
+            "in one run: KEY=VALUE changes B from A; an empty VALUE unsets KEY. Keys: "
+            f"{keys}. JSON gets both and the B/A median ratios; the table and PNG show both.")
+
+
+def parse(text: str) -> tuple[str, str]:
+    """argparse type of one ``KEY=VALUE``: errors name the valid keys and values."""
+    key, sep, value = text.partition("=")
+    if not sep:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected KEY=VALUE")
+    if key not in KEYS:
+        raise argparse.ArgumentTypeError(f"unknown key {key!r}; valid keys: {', '.join(KEYS)}")
+    ok = KEYS[key][1]
+    if not value and key == "OMP_NUM_THREADS":
+        raise argparse.ArgumentTypeError("OMP_NUM_THREADS needs a value (a whole number > 0)")
+    if value and not (value in ok if isinstance(ok, tuple) else ok(value)):
+        valid = ", ".join(ok) if isinstance(ok, tuple) else "a whole number > 0"
+        raise argparse.ArgumentTypeError(f"{key}={value!r}: use {valid} (or nothing to unset)")
+    return key, value
+
+
+class _Collect(argparse.Action):
+    """``--compare``'s parsed KEY=VALUE pairs as a dict; a key given twice is an error."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        settings: dict[str, str] = {}
+        for key, value in values:
+            if key in settings:
+                parser.error(f"argument --compare: {key} given twice")
+            settings[key] = value
+        setattr(namespace, self.dest, settings)
+
+
+def add_argument(parser: argparse.ArgumentParser) -> None:
+    """Add ``--compare KEY=VALUE ...`` to a benchmark's parser (a dict, or None
+    when not given)."""
+    parser.add_argument("--compare", nargs="+", type=parse, action=_Collect, metavar="KEY=VALUE",
+                        help=help_text())
+
+
+def as_args(settings: Mapping[str, str] | None) -> list[str]:
+    """``settings`` as command-line words for a job (``--compare K=V ...`` or nothing)."""
+    return ["--compare", *(f"{k}={v}" for k, v in settings.items())] if settings else []
+
+
+def current(keys, base: Mapping[str, str] | None = None) -> dict[str, str | None]:
+    """Local. A's values of ``keys``: those of ``base`` (default: this process's
+    environment; None: unset)."""
+    base = os.environ if base is None else base
+    return {k: base.get(k) for k in keys}
+
+
+def configurations(settings: Mapping[str, str] | None,
+                   base: Mapping[str, str] | None = None) -> dict:
+    """What the JSON says about A (the values in ``base``, default this
+    environment, of the keys B sets) and B; ``{"A": {}}`` when not comparing."""
+    if not settings:
+        return {"A": {}}
+    return {"A": current(settings, base), "B": dict(settings)}
+
+
+def describe(settings: Mapping[str, str] | None, base: Mapping[str, str] | None = None) -> str:
+    """One line naming both configurations (A's values from ``base``, default
+    this environment), for headers."""
+    if not settings:
+        return ""
+    a = ", ".join(f"{k}={v if v is not None else '(unset)'}"
+                  for k, v in current(settings, base).items())
+    b = ", ".join(f"{k}={v or '(unset)'}" for k, v in settings.items())
+    return f"A: {a}; B: {b}"
+
+
+def parts(report: Mapping) -> list[tuple[str, Mapping]]:
+    """A report's configurations as (name, figures): A's figures sit at the top
+    level of a report (or case), B's, when compared, under "B" in the same layout."""
+    return [("A", report)] + ([("B", report["B"])] if "B" in report else [])
+
+
+def ratio_line(what: str, ratios: Mapping[str, float]) -> str:
+    """A table's closing line of B/A median ratios."""
+    return f"B/A {what}: " + ", ".join(f"{k} {v:.3f}" for k, v in ratios.items())
+
+
+def environment(settings: Mapping[str, str] | None,
+                base: Mapping[str, str] | None = None) -> dict[str, str]:
+    """Local. The environment of a job of configuration ``settings`` (None: A's):
+    ``base`` (default os.environ) with ``settings`` set and the empty ones removed."""
+    env = dict(os.environ if base is None else base)
+    for key, value in (settings or {}).items():
+        _put(env, key, value)
+    return env
+
+
+def _put(env, key: str, value: str | None) -> None:
+    """``env[key] = value``; an empty or None value removes ``key``."""
+    if value:
+        env[key] = value
+    else:
+        env.pop(key, None)
+
+
+@contextlib.contextmanager
+def applied(settings: Mapping[str, str] | None) -> Iterator[None]:
+    """Local (enter it alike on every rank). ``settings`` in the environment and
+    in the modules that read them, inside the block; the previous values after
+    it. ``None`` or ``{}``: nothing changes (configuration A)."""
+    if not settings:
+        yield
+        return
+    saved = current(settings)
+    torch = sys.modules.get("torch")
+    threads = torch.get_num_threads() if torch is not None else None
+    _set(settings)
+    try:
+        yield
+    finally:
+        _set(saved)
+        if threads is not None:
+            torch.set_num_threads(threads)
+
+
+def _set(values: Mapping[str, str | None]) -> None:
+    for key, value in values.items():
+        _put(os.environ, key, value)
+        KEYS[key][2](value or None)
+
+
+def context_for(settings: Mapping[str, str] | None
+                ) -> Callable[[str], contextlib.AbstractContextManager]:
+    """For ``timing.interleaved``: a path named ``B:...`` runs under ``settings``,
+    any other under A's."""
+    def context(name: str):
+        return applied(settings) if name.startswith("B:") else contextlib.nullcontext()
+    return context

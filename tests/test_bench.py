@@ -1,0 +1,178 @@
+"""`domainpar bench`: every subcommand end to end at tiny sizes with --compare
+(JSON with both configurations and the B/A ratios, a PNG beside it, progress
+on stderr, the table on stdout) and --compare's checks. tests/test_runtime.py
+runs `bench halo` without --compare.
+
+Serial (not marked mpi): the commands launch their own mpiexec jobs. No
+timing is asserted.
+"""
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from domainpar import cli
+
+ROOT = Path(__file__).resolve().parent.parent
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def _env():
+    """The environment the CLI gives its own mpiexec jobs, with this checkout importable."""
+    return dict(cli.mpiexec_env(), PYTHONPATH=str(ROOT))
+
+
+def _bench(tmp_path, name: str, *args: str):
+    """Run ``domainpar bench NAME ARGS``; its report, stdout and stderr, after
+    checking the exit code and the PNG beside the JSON."""
+    out = tmp_path / f"{name}.json"
+    proc = subprocess.run([sys.executable, "-m", "domainpar.cli", "bench", name, *args,
+                           "--out", str(out)],
+                          env=_env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    report = json.loads(out.read_text())
+    assert report["benchmark"] == name
+    _check_png(out.with_suffix(".png"))
+    assert f"PNG: {out.with_suffix('.png')}" in proc.stdout
+    return report, proc.stdout, proc.stderr
+
+
+def _check_png(path: Path) -> None:
+    image = pytest.importorskip("matplotlib.image",
+                                reason="matplotlib is needed for the benchmarks' PNGs")
+    assert path.read_bytes()[:8] == PNG_MAGIC, path
+    pixels = image.imread(path)
+    assert pixels.shape[0] > 200 and pixels.shape[1] > 300, pixels.shape
+
+
+def _compared(report: dict, settings: dict) -> None:
+    assert report["configurations"]["B"] == settings
+    assert set(report["configurations"]["A"]) == set(settings)
+
+
+def test_halo_compare_forces_the_way_in_b_only(tmp_path):
+    report, stdout, stderr = _bench(
+        tmp_path, "halo", "-n", "2", "--dims", "3", "--faces", "0.0625", "--repeats", "2",
+        "--compare", "DOMAINPAR_HALO_WAY=pack", "DOMAINPAR_NATIVE=0")
+    _compared(report, {"DOMAINPAR_HALO_WAY": "pack", "DOMAINPAR_NATIVE": "0"})
+    assert len(report["cases"]) == 3
+    for case in report["cases"]:
+        assert set(case["B"]["median_s"]) == set(case["median_s"])
+        assert set(case["ratio_B_over_A"]) == set(case["median_s"])
+        assert all(r > 0 for r in case["ratio_B_over_A"].values())
+        if case["strided"]:  # B's exchange was planned under DOMAINPAR_HALO_WAY=pack
+            assert case["B"]["fill_way"] == "pack", case
+            assert not any(case["B"]["fill_tuning_s"].values())  # forced: nothing tuned
+    assert "bench halo [" in stderr  # progress on stderr ...
+    assert " B   3-D" in stdout and " A   3-D" in stdout  # ... both rows of the table on stdout
+    assert "bench halo [" not in stdout
+
+
+def test_grads_compare(tmp_path):
+    report, stdout, _ = _bench(tmp_path, "grads", "-n", "1", "--layers", "2", "--width", "16",
+                               "--side", "4", "--repeats", "2", "--compare", "OMP_NUM_THREADS=2")
+    _compared(report, {"OMP_NUM_THREADS": "2"})
+    variants = {"per_op", "domain_parallel", "domain_parallel_blocking"}
+    assert set(report["median_step_s"]) == variants
+    assert set(report["B"]["median_step_s"]) == variants
+    assert all(len(v) == 2 for v in report["B"]["samples_s"].values())
+    assert set(report["ratio_B_over_A"]) == variants
+    assert "B/A step:" in stdout
+
+
+def test_attention_compare(tmp_path):
+    report, _, _ = _bench(tmp_path, "attention", "-n", "1", "--tokens", "64", "--repeats", "1",
+                          "--compare", "OMP_NUM_THREADS=2")
+    _compared(report, {"OMP_NUM_THREADS": "2"})
+    case = report["cases"]["64"]
+    assert set(case["B"]["median_step_s"]) == {"ranks", "one_process"}
+    assert case["B"]["speedup"] > 0 and case["B"]["memory_ratio"] > 0
+    assert set(case["ratio_B_over_A"]) >= {"step_ranks", "step_one_process", "speedup"}
+
+
+def test_io_compare_switches_the_driver_in_b(tmp_path):
+    report, _, _ = _bench(tmp_path, "io", "-n", "1", "--samples", "2", "--side", "32",
+                          "--repeats", "1", "--compare", "DOMAINPAR_IO=serial")
+    _compared(report, {"DOMAINPAR_IO": "serial"})
+    assert report["B"]["compute_epochs_driver"] == "serial"
+    assert report["compute_epochs_driver"] == ("mpio" if report["h5py_mpi"] else "serial")
+    assert set(report["B"]["aggregate_read_mib_per_s"]) == set(report["aggregate_read_mib_per_s"])
+    assert set(report["ratio_B_over_A"]) == set(report["median_epoch_s"])
+
+
+def test_conv_compare_jobs(tmp_path):
+    report, stdout, _ = _bench(tmp_path, "conv", "-n", "2", "--cases", "conv2d",
+                               "--scale", "0.0625", "--repeats", "1", "--probe-repeats", "1",
+                               "--memory-repeats", "0", "--compare", "DOMAINPAR_HALO_WAY=pack")
+    _compared(report, {"DOMAINPAR_HALO_WAY": "pack"})
+    for part in (report, report["B"]):
+        case = part["cases"]["conv2d"]
+        assert case["shape"] == [1, 8, 64, 64]
+        assert case["speedup"] > 0 and len(case["samples"]["ranks"]) == 1
+        assert part["memory"] == {}
+    assert set(report["ratio_B_over_A"]["conv2d"]) == {"step_ranks", "step_one_process",
+                                                      "speedup"}
+    assert "memory not measured" in stdout
+
+
+def test_scaling_compare_jobs(tmp_path):
+    report, stdout, stderr = _bench(
+        tmp_path, "scaling", "--ranks", "2", "--strong-shape", "1", "1", "8", "8", "8",
+        "--weak-block", "1", "1", "4", "8", "8", "--levels", "2", "--repeats", "1",
+        "--compare", "OMP_NUM_THREADS=2")
+    _compared(report, {"OMP_NUM_THREADS": "2"})
+    assert report["rank_counts"] == [2]
+    for part in (report, report["B"]):
+        strong, weak = part["strong"]["points"], part["weak"]["points"]
+        assert strong["2"]["local_shape"] == [1, 1, 4, 8, 8]
+        assert weak["2"]["global_shape"] == [1, 1, 8, 8, 8]
+        for points in (strong, weak):  # the smallest rank count is the reference
+            assert points["2"]["efficiency"] == pytest.approx(1.0)
+            assert len(points["2"]["samples_s"]) == 1
+    assert set(report["ratio_B_over_A"]["strong"]) == {"2"}
+    assert f"this machine has {report['cpus']} cores" in stdout
+    assert "scaling jobs [" in stderr
+
+
+def test_scaling_efficiency_definitions():
+    from domainpar.bench.scaling import _efficiencies, default_rank_counts, weak_shape
+    points = {str(n): {"ranks": n, "median_step_s": t} for n, t in ((1, 8.0), (2, 5.0), (4, 4.0))}
+    _efficiencies(points, "strong")  # T1 / (n Tn)
+    assert [points[n]["efficiency"] for n in ("1", "2", "4")] == [1.0, 0.8, 0.5]
+    _efficiencies(points, "weak")  # T1 / Tn
+    assert [points[n]["efficiency"] for n in ("1", "2", "4")] == [1.0, 1.6, 2.0]
+    assert default_rank_counts(6) == [1, 2, 4, 6] and default_rank_counts(1) == [1]
+    assert weak_shape((1, 2, 16, 8, 8), 3) == (1, 2, 48, 8, 8)
+
+
+def test_compare_rejects_unknown_keys_and_values(capsys):
+    parser = cli.build_parser()
+    for words, says in ((["FOO=1"], "valid keys: DOMAINPAR_HALO_WAY"),
+                        (["DOMAINPAR_NATIVE=2"], "DOMAINPAR_NATIVE='2': use 0, 1"),
+                        (["DOMAINPAR_IO"], "expected KEY=VALUE"),
+                        (["OMP_NUM_THREADS="], "OMP_NUM_THREADS needs a value"),
+                        (["DOMAINPAR_IO=serial", "DOMAINPAR_IO=mpio"], "given twice")):
+        with pytest.raises(SystemExit) as exit_:
+            parser.parse_args(["bench", "grads", "--compare", *words])
+        assert exit_.value.code == 2
+        assert says in capsys.readouterr().err
+    args = parser.parse_args(["bench", "scaling", "--compare", "DOMAINPAR_HALO_WAY=",
+                              "OMP_NUM_THREADS=3"])
+    assert args.compare == {"DOMAINPAR_HALO_WAY": "", "OMP_NUM_THREADS": "3"}
+
+
+def test_applied_sets_and_restores_the_settings(monkeypatch):
+    from domainpar.bench import settings
+    from domainpar.comm import halo, packing
+    monkeypatch.delenv("DOMAINPAR_HALO_WAY", raising=False)
+    monkeypatch.setenv("DOMAINPAR_IO", "mpio")
+    before = (halo.FORCED_WAY, packing.use_native)
+    with settings.applied({"DOMAINPAR_HALO_WAY": "datatype", "DOMAINPAR_NATIVE": "0",
+                           "DOMAINPAR_IO": ""}):
+        assert halo.FORCED_WAY == "datatype" and packing.use_native is False
+        assert "DOMAINPAR_IO" not in settings.os.environ
+    assert (halo.FORCED_WAY, packing.use_native) == before
+    assert settings.os.environ["DOMAINPAR_IO"] == "mpio"
+    assert "DOMAINPAR_HALO_WAY" not in settings.os.environ
