@@ -19,7 +19,7 @@ import sys
 
 # The modules that add a command family: each has ``add_parser(subparsers)``
 # and imports torch and MPI only when its command runs.
-COMMAND_MODULES = ("domainpar.bench.cli",)
+COMMAND_MODULES = ("domainpar.bench.cli", "domainpar.plan.cli", "domainpar.demo.cli")
 
 _LAUNCHER_VARS = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK", "SLURM_STEP_ID", "MPI_LOCALNRANKS")
 
