@@ -95,24 +95,36 @@ def on_rank0(comm: MPI.Comm, fn: Callable[[], object]):
 
 
 def live_tensor_peak_kib(step: Callable[[], object]) -> float:
-    """The most memory torch's allocator had live during ``step``, from the
-    profiler's allocation and free records: what the activations, gradients and
-    buffers need, without the allocator's and libraries' own resident pages
-    (which RSS counts, and which make RSS about twice this for a UNet step)."""
+    """The most memory torch's allocator had live during ``step``, in KiB: what
+    the activations, gradients and buffers need, without the allocator's and
+    libraries' own resident pages (which RSS counts, and which make RSS about
+    twice this for a UNet step)."""
+    return profiled_peak_bytes(step) / 1024
+
+
+def profiled_peak_bytes(work: Callable[[], object]) -> int:
+    """The highest running sum of torch's CPU allocations and frees during
+    ``work``, from the profiler's raw allocator records. (Summing each op's net
+    memory instead, as the profiler's op events give it, misses what an op
+    allocates and frees inside itself: a conv's scratch buffers, which are
+    a third of a UNet step's peak and more of an inference pass's.)"""
     from torch.profiler import ProfilerActivity, profile
     prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
-    with quiet_stderr():  # kineto prints a line at start and stop
+    with quiet_stderr():  # kineto prints a line at start and at stop
         prof.start()
     try:
-        step()
+        work()
     finally:
         with quiet_stderr():
             prof.stop()
+    # The raw records, not prof.events(): those take seconds to build for a step.
+    records = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events()
+                     if e.name() == "[memory]")
     live = peak = 0
-    for event in sorted(prof.events(), key=lambda e: e.time_range.start):
-        live += event.self_cpu_memory_usage
+    for _, nbytes in records:
+        live += nbytes
         peak = max(peak, live)
-    return peak / 1024
+    return peak
 
 
 @contextlib.contextmanager

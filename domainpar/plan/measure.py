@@ -30,12 +30,10 @@ measures a real sharded run on the full field, rank by rank (``domainpar plan
 from __future__ import annotations
 
 import argparse
-import contextlib
 import gc
 import importlib
 import json
 import math
-import os
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -43,6 +41,7 @@ from typing import Callable, Iterator, Sequence
 
 import torch
 
+from ..bench.timing import profiled_peak_bytes
 from ..comm import DomainparError
 from .model import features
 
@@ -145,32 +144,7 @@ def peak_bytes(setup: Setup, block: Sequence[int], train: bool, grid,
         work()
         torch.cuda.synchronize()
         return int(torch.cuda.max_memory_allocated() - before)
-    return _profiled_peak(work)
-
-
-def _profiled_peak(work: Callable[[], object]) -> int:
-    """The highest running sum of torch's CPU allocations and frees during
-    ``work``, from the profiler's raw allocator records. (Summing each op's net
-    memory instead, as the profiler's op events give it, misses what an op
-    allocates and frees inside itself: a conv's scratch buffers, which are
-    a third of a UNet step's peak and more of an inference pass's.)"""
-    from torch.profiler import ProfilerActivity, profile
-    prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
-    with _quiet_stderr():  # kineto prints a line at start and at stop
-        prof.start()
-    try:
-        work()
-    finally:
-        with _quiet_stderr():
-            prof.stop()
-    # The raw records, not prof.events(): those take seconds to build for a step.
-    records = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events()
-                     if e.name() == "[memory]")
-    live = peak = 0
-    for _, nbytes in records:
-        live += nbytes
-        peak = max(peak, live)
-    return peak
+    return profiled_peak_bytes(work)
 
 
 def _run(setup: Setup, block, train: bool, grid, global_shape) -> None:
@@ -211,20 +185,6 @@ def _optimizer(name: str, params):
     if name == "none":
         return None
     raise PlanError(f"optimizer {name!r}: choose one of {', '.join(OPTIMIZERS)}")
-
-
-@contextlib.contextmanager
-def _quiet_stderr():
-    """Point file descriptor 2 at /dev/null (C++ libraries write there directly)."""
-    sys.stderr.flush()
-    saved, devnull = os.dup(2), os.open(os.devnull, os.O_WRONLY)
-    os.dup2(devnull, 2)
-    os.close(devnull)
-    try:
-        yield
-    finally:
-        os.dup2(saved, 2)
-        os.close(saved)
 
 
 # -- the scaled-down points -------------------------------------------------------------------
