@@ -282,3 +282,20 @@ def test_blocks_no_order_helps_take_onednn_layout():
     assert _onednn_order((1, 4, 10, 10, 18), torch.float32, "cpu", (4, 4, 3, 3, 3),
                          (1, 1, 1), (0, 0, 1), (1, 1, 1), 1, ()) == LAYOUT
     assert_matches_single_process(model, x, grid, shard, sizes=sizes)
+
+
+def test_pointwise_3d_conv_stays_on_torchs_own_path():
+    """A 1x1x1 conv (stride 1, no padding) needs no columns on torch's slow path,
+    so its block is not converted to oneDNN's layout (a copy each way at the
+    step's peak); its numbers still match one process."""
+    from domainpar.ops.conv import LAYOUT, _onednn_order
+    small = (1, 4, 10, 10, 18)  # no order passes torch's size rule
+    assert _onednn_order(small, torch.float32, "cpu", (4, 4, 3, 3, 3), (1, 1, 1), (1, 1, 1),
+                         (1, 1, 1), 1, ()) == LAYOUT
+    assert _onednn_order(small, torch.float32, "cpu", (2, 4, 1, 1, 1), (1, 1, 1), (0, 0, 0),
+                         (1, 1, 1), 1, ()) is None
+    shape = (1, 4, 12, 10, 18)
+    grid, shard, sizes = layout(shape, (2, 4), 2, "uneven")
+    torch.manual_seed(5)
+    x = global_tensor(shape, torch.float32, seed=6)
+    assert_matches_single_process(nn.Conv3d(4, 2, 1), x, grid, shard, sizes=sizes)

@@ -309,6 +309,12 @@ def _onednn_order(shape, dtype, device, w_shape, stride, padding, dilation, grou
     it would pick im2col for ``shape`` as it is; None when there is no need or none."""
     if len(shape) != 5 or device != "cpu" or dtype != torch.float32 or 0 in shape:
         return None
+    if (all(k == 1 for k in w_shape[2:]) and all(s == 1 for s in stride)
+            and not any(padding) and not any(out_pad)):
+        # A 1x1x1 conv: torch's slow path builds no columns (it is one matrix
+        # product), so it needs nothing from oneDNN; its layout would only add a
+        # copy of the block each way, at backward's start, the step's peak.
+        return None
     select = getattr(torch._C, "_select_conv_backend", None)
     if select is None:  # a torch without this (private) query: leave the choice to torch
         return None
