@@ -10,9 +10,9 @@ from pathlib import Path
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 from domainpar import cli
+from training import train
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -31,15 +31,8 @@ def _one_process_losses(steps: int) -> list[float]:
     target = torch.randn(1, 2, 64, 64, 64)
     model = nn.Sequential(nn.Conv3d(2, 16, 3, padding=1), nn.GELU(),
                           nn.Conv3d(16, 2, 3, padding=1))
-    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
-    losses = []
-    for _ in range(steps):
-        opt.zero_grad()
-        loss = F.mse_loss(model(field), target)
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
-    return losses
+    return train(model, field, target, model.parameters(), steps,
+                 optimizer=lambda params: torch.optim.Adam(params, lr=1e-3))
 
 
 def test_quickstart_runs_on_four_ranks_with_one_process_numbers(tmp_path):

@@ -13,9 +13,11 @@ from mpi4py import MPI
 COMM = MPI.COMM_WORLD
 
 
-def train(model, x, target, params, steps: int, lr: float = 0.05) -> list[float]:
-    """``steps`` of SGD with momentum on the mean squared error; the losses."""
-    opt = torch.optim.SGD(params, lr=lr, momentum=0.9)
+def train(model, x, target, params, steps: int, lr: float = 0.05,
+          optimizer: Callable | None = None) -> list[float]:
+    """``steps`` on the mean squared error, by ``optimizer(params)`` (default:
+    SGD with momentum at ``lr``); the losses."""
+    opt = (optimizer or (lambda p: torch.optim.SGD(p, lr=lr, momentum=0.9)))(params)
     losses = []
     for _ in range(steps):
         opt.zero_grad()
