@@ -16,7 +16,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from domainpar.testing import adjoint_test, assert_matches_single_process, shard_like
-from tensor_cases import SIZE, global_tensor, layout, raises_everywhere
+from tensor_cases import COMM, SIZE, global_tensor, layout, raises_everywhere
 
 pytestmark = pytest.mark.mpi
 
@@ -197,6 +197,17 @@ def test_pad_matches_one_process(case):
                                   global_tensor(shape), grid, shard, sizes=sizes)
 
 
+
+@pytest.mark.parametrize("mode", ("reflect", "replicate", "circular"))
+def test_pad_of_an_empty_block_along_an_unsharded_dim(mode):
+    """An empty block (batch dim sharded, zero-size layout) padded along an
+    unsharded dim, while a sharded dim is named with zero padding: the empty
+    block keeps its own size along the sharded dim."""
+    shape = (2, 3, 7, 6)
+    grid, shard, sizes = layout(shape, (0, 3), 2, "zero")
+    assert_matches_single_process(lambda x: F.pad(x, (0, 0, 2, 1), mode=mode),
+                                  global_tensor(shape), grid, shard, sizes=sizes)
+
 @pytest.mark.parametrize("mode", ("reflect", "replicate", "circular"))
 def test_pad_3d_float32(mode):
     shape = (1, 2, 6, 5, 7)
@@ -299,3 +310,48 @@ def test_pointwise_3d_conv_stays_on_torchs_own_path():
     torch.manual_seed(5)
     x = global_tensor(shape, torch.float32, seed=6)
     assert_matches_single_process(nn.Conv3d(4, 2, 1), x, grid, shard, sizes=sizes)
+
+
+# -- backward in pieces of output rows (large blocks) -------------------------------------------
+@pytest.fixture
+def backward_in_pieces(monkeypatch):
+    """Every conv backward in pieces, however small its block; yields the
+    (dim, rows) plans the backward took."""
+    from domainpar.ops import conv as conv_ops
+    monkeypatch.setattr(conv_ops, "_PIECE_CELLS", 1)
+    monkeypatch.setattr(conv_ops, "_PIECES", 3)
+    taken = []
+    row_pieces = conv_ops._row_pieces
+
+    def spy(*args):
+        plan = row_pieces(*args)
+        taken.append(plan)
+        return plan
+
+    monkeypatch.setattr(conv_ops, "_row_pieces", spy)
+    return taken
+
+
+@pytest.mark.parametrize("case", _conv_cases(24, seed=17), ids=lambda c: "-".join(map(str, c)))
+def test_conv_backward_in_pieces_matches_one_process(case, backward_in_pieces):
+    _conv(case, torch.float64, model_seed=case[1])
+
+
+@pytest.mark.parametrize("options", [dict(kernel_size=3, padding=1),
+                                     dict(kernel_size=3, stride=2, padding=1),
+                                     dict(kernel_size=3, dilation=2, padding="same"),
+                                     dict(kernel_size=4, stride=3, padding=2, groups=2)],
+                         ids=lambda o: "-".join(f"{k}{v}" for k, v in o.items()))
+@pytest.mark.parametrize("grid_ndim", (1, 2))
+def test_conv3d_backward_in_pieces(options, grid_ndim, backward_in_pieces):
+    """A 3-D conv on uneven blocks of a 3-D input, backward in pieces along D, also
+    where D is sharded, against one process; the pieces are really taken (a rank
+    with a single output row along D has nothing to cut)."""
+    shape = (1, 4, 17, 9, 8)
+    grid, shard, sizes = layout(shape, (2, 3, 4), grid_ndim, "uneven", seed=3)
+    torch.manual_seed(3)
+    assert_matches_single_process(nn.Conv3d(4, 4, **options).double(), global_tensor(shape),
+                                  grid, shard, sizes=sizes)
+    pieces = [p for p in backward_in_pieces if p is not None]
+    assert all(dim == 2 and len(rows) > 1 for dim, rows in pieces)
+    assert COMM.allreduce(len(pieces)) > 0

@@ -159,10 +159,11 @@ class HaloConv(torch.autograd.Function):
     The same as ``window.gather`` then torch's conv, with less memory. Forward
     writes the block once into a padded buffer and frees it after the conv; it
     saves the block and the (thin) ghost slabs, and backward rebuilds the buffer
-    from them. The block is what one process's conv saves, and it is alive
-    anyway while the model's forward holds it; saving the padded copy instead
-    would hold both. Backward accumulates the ghost gradients in place into the
-    buffer the conv's backward has just made (ours alone, so in place is safe).
+    from them, a large one in pieces (``_padded_backward``). The block is what
+    one process's conv saves, and it is alive anyway while the model's forward
+    holds it; saving the padded copy instead would hold both. Backward
+    accumulates the ghost gradients in place into the input gradient it has
+    just made (ours alone, so in place is safe).
     """
 
     @staticmethod
@@ -189,29 +190,17 @@ class HaloConv(torch.autograd.Function):
     def backward(ctx, grad):
         block, weight = ctx.saved_tensors
         spec = ctx.spec
-        padded = _padded_block(block, dict(spec.widths))
-        for d, start, slab in ctx.slabs:  # slabs overlap at corners, with equal values
-            padded.narrow(d, start, slab.shape[d]).copy_(slab)
-        cells = _cells(padded, spec)
-        del padded
         need_in, need_w, need_b = ctx.needs_input_grad[:3]
+        mask = (need_in, need_w, need_b and ctx.has_bias)
         if 0 in spec.out_shape[2:]:
-            g_cells = cells.new_zeros(cells.shape) if need_in else None
+            g_padded = block.new_zeros(ctx.padded_shape) if need_in else None
             g_w = torch.zeros_like(weight) if need_w else None
-            g_b = weight.new_zeros(weight.shape[0]) if need_b and ctx.has_bias else None
+            g_b = weight.new_zeros(weight.shape[0]) if mask[2] else None
         else:
-            g_cells, g_w, g_b = local_conv_backward(
-                grad, cells, weight, spec, (need_in, need_w, need_b and ctx.has_bias))
+            g_padded, g_w, g_b = _padded_backward(grad, block, weight, ctx.slabs, spec,
+                                                  ctx.padded_shape, mask)
         g_block = None
         if need_in:
-            if tuple(g_cells.shape) == ctx.padded_shape:
-                g_padded = g_cells.contiguous()
-            else:
-                g_padded = g_cells.new_zeros(ctx.padded_shape)
-                view = g_padded
-                for d, (start, length) in spec.windows:
-                    view = view.narrow(d, start, length)
-                view.copy_(g_cells)
             if ctx.halo is not None:
                 ctx.halo.accumulate(to_array(g_padded), check=False)
             g_block = g_padded
@@ -220,12 +209,106 @@ class HaloConv(torch.autograd.Function):
         return g_block, g_w, g_b, None, None
 
 
+# Backward rebuilds the padded block from the saved block and ghost slabs. Whole,
+# that is a copy of the conv's input alive beside every saved activation, the
+# gradient and the input gradient: the training step's peak. So a large block is
+# rebuilt and differentiated in pieces of output rows along one dim, each piece
+# holding the input rows its outputs read; the pieces' input gradients overlap by
+# the kernel's reach and add up. The conv's work is the same (each output row is
+# differentiated once); what is added is a copy of each piece's gradient rows.
+_PIECES = 8              # at most this many pieces: the copy at the peak is 1/8 of the block
+_PIECE_CELLS = 1 << 18   # but none smaller than this many cells (1 MiB of float32)
+
+
+def _padded_backward(grad, block, weight, slabs, spec: _ConvSpec, padded_shape, mask):
+    """(grad of the padded block, of weight, of bias) of HaloConv's conv."""
+    widths, windows = dict(spec.widths), dict(spec.windows)
+    pieces = _row_pieces(spec, padded_shape, weight.shape)
+    if pieces is None:  # small: the whole padded block at once
+        padded = _padded_rows(block, slabs, widths, padded_shape, 2, 0, padded_shape[2])
+        g_cells, g_w, g_b = local_conv_backward(grad, _cells(padded, spec), weight, spec, mask)
+        del padded
+        if not mask[0] or tuple(g_cells.shape) == tuple(padded_shape):
+            return (None if g_cells is None else g_cells.contiguous()), g_w, g_b
+        g_padded = g_cells.new_zeros(padded_shape)
+        _cells(g_padded, spec).copy_(g_cells)
+        return g_padded, g_w, g_b
+
+    dim, rows = pieces
+    i = dim - 2
+    s, reach = spec.stride[i], spec.dilation[i] * (weight.shape[dim] - 1)
+    start = windows.get(dim, (0, padded_shape[dim]))[0]
+    others = tuple((d, w) for d, w in spec.windows if d != dim)
+    g_padded = block.new_zeros(padded_shape) if mask[0] else None
+    g_w = g_b = None
+    for o0, o1 in rows:
+        p0, p1 = start + o0 * s, start + (o1 - 1) * s + reach + 1
+        piece = _padded_rows(block, slabs, widths, padded_shape, dim, p0, p1)
+        gi, gw, gb = local_conv_backward(grad.narrow(dim, o0, o1 - o0),
+                                         _narrowed(piece, others), weight, spec, mask)
+        del piece
+        if gi is not None:
+            _narrowed(g_padded.narrow(dim, p0, p1 - p0), others).add_(gi)
+        g_w = gw if g_w is None else g_w.add_(gw)
+        g_b = gb if g_b is None else g_b.add_(gb)
+    return g_padded, g_w, g_b
+
+
+def _row_pieces(spec: _ConvSpec, padded_shape, w_shape):
+    """(dim, [(first, stop) output rows, ...]) for a piecewise backward, along the
+    outermost spatial dim torch does not pad itself; None when one piece will do."""
+    cells = int(np.prod(padded_shape))
+    count = min(_PIECES, cells // _PIECE_CELLS)
+    for dim in range(2, len(padded_shape)):
+        if spec.padding[dim - 2] == 0:
+            break
+    else:
+        return None
+    count = min(count, spec.out_shape[dim])
+    if count < 2:
+        return None
+    bounds = np.linspace(0, spec.out_shape[dim], count + 1).round().astype(int)
+    return dim, [(int(a), int(b)) for a, b in zip(bounds[:-1], bounds[1:]) if b > a]
+
+
+def _padded_rows(block, slabs, widths: dict, padded_shape, dim: int, start: int, stop: int):
+    """Rows ``[start, stop)`` along ``dim`` of the padded block (the block with its
+    ghost slabs around it), built without the rest of it. Every cell is either
+    the block's or in the slab of a dim along which it is a ghost cell."""
+    if not slabs and not any(lo or hi for lo, hi in widths.values()) \
+            and (start, stop) == (0, block.shape[dim]):
+        return block
+    shape = list(padded_shape)
+    shape[dim] = stop - start
+    piece = block.new_empty(shape)
+    lo = widths.get(dim, (0, 0))[0]
+    first, last = max(start, lo), min(stop, lo + block.shape[dim])
+    if last > first:
+        inner = piece.narrow(dim, first - start, last - first)
+        for d, (w_lo, _) in widths.items():
+            if d != dim:
+                inner = inner.narrow(d, w_lo, block.shape[d])
+        inner.copy_(block.narrow(dim, first - lo, last - first))
+    for d, at, slab in slabs:  # slabs overlap at corners, with equal values
+        if d != dim:
+            piece.narrow(d, at, slab.shape[d]).copy_(slab.narrow(dim, start, stop - start))
+        elif min(stop, at + slab.shape[d]) > max(start, at):
+            a, b = max(start, at), min(stop, at + slab.shape[d])
+            piece.narrow(dim, a - start, b - a).copy_(slab.narrow(dim, a - at, b - a))
+    return piece
+
+
+def _narrowed(t: torch.Tensor, windows) -> torch.Tensor:
+    """``t`` narrowed to ``windows`` ((dim, (start, length)), ...), a view."""
+    for d, (start, length) in windows:
+        if (start, length) != (0, t.shape[d]):
+            t = t.narrow(d, start, length)
+    return t
+
+
 def _cells(padded: torch.Tensor, spec: _ConvSpec) -> torch.Tensor:
     """The part of the padded block this rank's outputs read (a view)."""
-    for d, (start, length) in spec.windows:
-        if (start, length) != (0, padded.shape[d]):
-            padded = padded.narrow(d, start, length)
-    return padded
+    return _narrowed(padded, spec.windows)
 
 
 def _padded_block(block: torch.Tensor, widths: dict) -> torch.Tensor:

@@ -103,8 +103,8 @@ def pad(func, args, kwargs):
         if local.numel():
             local = torch._C._nn.pad(local, flat, mode)
         else:  # torch refuses to reflect an empty block; its padded block is empty too
-            shape = torch._C._nn.pad(torch.empty(x.shape, device="meta"), flat, mode).shape
-            shape = [s if d in unsharded else local.shape[d] for d, s in enumerate(shape)]
+            # (``unsharded`` also holds sharded dims whose padding is zero)
+            shape = [n + sum(unsharded.get(d, (0, 0))) for d, n in enumerate(local.shape)]
             local = window.placeholder(shape, local, local)
     if not sharded:
         return DomainTensor(local, window.out_layout(dec, out_shape))
