@@ -355,3 +355,20 @@ def test_conv3d_backward_in_pieces(options, grid_ndim, backward_in_pieces):
     pieces = [p for p in backward_in_pieces if p is not None]
     assert all(dim == 2 and len(rows) > 1 for dim, rows in pieces)
     assert COMM.allreduce(len(pieces)) > 0
+
+
+@pytest.mark.parametrize("mode", ("circular", "reflect", "replicate", "zeros"))
+@pytest.mark.parametrize("grid_ndim", (1, 2))
+def test_padded_conv_keeps_its_input_layout(mode, grid_ndim):
+    """nn.Conv3d(k=3, padding=1) in every padding mode maps blocks to blocks of the
+    same size (the non-zero modes run F.pad then a valid conv, whose outputs are
+    anchored at their windows' centres), on even and uneven layouts; and matches
+    one process."""
+    shape = (1, 3, 12, 10, 8)
+    for kind in ("even", "uneven"):
+        grid, shard, sizes = layout(shape, (2, 3), grid_ndim, kind, periodic=True, seed=2)
+        torch.manual_seed(1)
+        conv = nn.Conv3d(3, 3, 3, padding=1, padding_mode=mode).double()
+        x = shard_like(global_tensor(shape), grid, shard, sizes)
+        assert conv(x).to_local().shape == x.to_local().shape
+        assert_matches_single_process(conv, global_tensor(shape), grid, shard, sizes=sizes)

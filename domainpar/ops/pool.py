@@ -7,7 +7,7 @@ or unbatched.
   window can pick), then runs torch's max pool with no padding and no ceil_mode
   on them: the gathered range already holds the windows that ceil_mode lets
   reach past the padded input. Output layout: ``window.sliding`` (output ``j``
-  goes to the rank holding cell ``j * stride``). ``return_indices`` gives global
+  goes to the rank holding its window's centre cell). ``return_indices`` gives global
   flat indices into the spatial dims of the global input, as torch does, on the
   output's layout.
 - avg_pool: the window sums of the zero-padded cells, divided by the divisor

@@ -10,10 +10,14 @@ output indices ``j``:
 
 Output ``j`` goes to the rank whose input block holds ``anchor[j]``: the first
 output of coordinate ``c`` is the first ``j`` with ``anchor[j] >= offset[c]``.
-For a stride-``s`` conv the anchor is ``j * s``, so a 'same' conv keeps its
-input's layout and a strided one gets ``ceil(offset / s)``: the output layout
-follows from the input layout and the op's arguments alone, the same on every
-rank without a message, also where strides do not divide the block offsets.
+For a sliding window (conv, pooling) the anchor is the window's centre cell,
+clipped to the input: ``j * s`` for a stride-``s`` conv padded by half its
+reach, so a 'same' conv keeps its input's layout and a strided one gets
+``ceil(offset / s)``, and a valid conv after explicit padding (nn.Conv's
+circular, reflect and replicate modes) gets back the layout from before the
+padding rather than one shifted by it. The output layout follows from the input
+layout and the op's arguments alone, the same on every rank without a message,
+also where strides do not divide the block offsets.
 
 A rank then needs the input cells ``[min first, max last]`` of its outputs:
 its block plus ghost cells on either side (its own widths may be negative:
@@ -98,10 +102,12 @@ def plan_axis(first: Sequence[int], last: Sequence[int], anchor: Sequence[int],
 def sliding(n: int, in_sizes: tuple[int, ...], m: int, kernel: int, stride: int,
             dilation: int, pad_lo: int) -> AxisPlan:
     """A sliding window (conv, pooling): output ``j`` reads ``kernel`` cells
-    ``dilation`` apart from ``j * stride - pad_lo``, anchored at ``j * stride``."""
+    ``dilation`` apart from ``j * stride - pad_lo``, anchored at the window's
+    centre cell (the lower of two), clipped to the input."""
     j = np.arange(m, dtype=np.int64)
     first = j * stride - pad_lo
-    return plan_axis(first, first + dilation * (kernel - 1), j * stride, in_sizes)
+    last = first + dilation * (kernel - 1)
+    return plan_axis(first, last, np.clip((first + last) // 2, 0, max(n - 1, 0)), in_sizes)
 
 
 # -- moving the cells -------------------------------------------------------------------
