@@ -80,8 +80,8 @@ def test_vit_training_matches_one_process(case):
 def test_tokens_of_a_sharded_field_keep_a_correct_sharding(spatial):
     """patchify (strided conv) -> flatten -> transpose, of a 2-D or 3-D field
     sharded on its first spatial dim: the token dim is sharded with each rank
-    holding whole slabs of patches, in order, and the values and gradients are
-    one process's."""
+    holding whole slabs of patches, in order (a patch goes to the rank holding its
+    centre row), and the values and gradients are one process's."""
     patch = 4
     grid = dp.ProcessGrid((SIZE,))
     n = spatial[0]
@@ -99,7 +99,9 @@ def test_tokens_of_a_sharded_field_keep_a_correct_sharding(spatial):
     t = tokens(shard_like(x, grid, {2: 0}, sizes))
     assert t.decomposition.shard == {1: 0}
     rows = shard_like(x, grid, {2: 0}, sizes).decomposition.block_sizes(2)
-    starts = [-(-o // patch) for o in (0, *[sum(rows[:i + 1]) for i in range(SIZE)])]
+    centre = (patch - 1) // 2
+    starts = [max(0, -(-(o - centre) // patch))
+              for o in (0, *[sum(rows[:i + 1]) for i in range(SIZE)])]
     per_slab = math.prod(s // patch for s in spatial[1:])
     assert list(t.decomposition.block_sizes(1)) == [(b - a) * per_slab
                                                     for a, b in zip(starts, starts[1:])]
