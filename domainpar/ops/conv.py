@@ -24,6 +24,7 @@ unbatched input; a DomainTensor as weight or bias.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 
@@ -217,13 +218,27 @@ class HaloConv(torch.autograd.Function):
 # the kernel's reach and add up. The conv's work is the same (each output row is
 # differentiated once); what is added is a copy of each piece's gradient rows.
 _PIECES = 8              # at most this many pieces: the copy at the peak is 1/8 of the block
-_PIECE_CELLS = 1 << 18   # but none smaller than this many cells (1 MiB of float32)
+_PIECE_CELLS = 1 << 14   # but none smaller than this many cells (64 KiB of float32)
+
+
+@contextlib.contextmanager
+def backward_in_pieces_at_any_size():
+    """Within it, every conv backward goes in pieces however small its block (as
+    many as its output rows allow, up to ``_PIECES``). For ``domainpar plan``:
+    its scaled-down blocks must hold at the peak what the full-size blocks of
+    the run it plans hold, and those are cut."""
+    global _PIECE_CELLS
+    saved, _PIECE_CELLS = _PIECE_CELLS, 1
+    try:
+        yield
+    finally:
+        _PIECE_CELLS = saved
 
 
 def _padded_backward(grad, block, weight, slabs, spec: _ConvSpec, padded_shape, mask):
     """(grad of the padded block, of weight, of bias) of HaloConv's conv."""
     widths, windows = dict(spec.widths), dict(spec.windows)
-    pieces = _row_pieces(spec, padded_shape, weight.shape)
+    pieces = _row_pieces(spec, padded_shape)
     if pieces is None:  # small: the whole padded block at once
         padded = _padded_rows(block, slabs, widths, padded_shape, 2, 0, padded_shape[2])
         g_cells, g_w, g_b = local_conv_backward(grad, _cells(padded, spec), weight, spec, mask)
@@ -235,9 +250,8 @@ def _padded_backward(grad, block, weight, slabs, spec: _ConvSpec, padded_shape, 
         return g_padded, g_w, g_b
 
     dim, rows = pieces
-    i = dim - 2
-    s, reach = spec.stride[i], spec.dilation[i] * (weight.shape[dim] - 1)
-    start = windows.get(dim, (0, padded_shape[dim]))[0]
+    s, reach = spec.stride[dim - 2], spec.dilation[dim - 2] * (weight.shape[dim] - 1)
+    start = windows.get(dim, (0, padded_shape[dim]))[0]  # of the cells this rank's outputs read
     others = tuple((d, w) for d, w in spec.windows if d != dim)
     g_padded = block.new_zeros(padded_shape) if mask[0] else None
     g_w = g_b = None
@@ -254,7 +268,7 @@ def _padded_backward(grad, block, weight, slabs, spec: _ConvSpec, padded_shape, 
     return g_padded, g_w, g_b
 
 
-def _row_pieces(spec: _ConvSpec, padded_shape, w_shape):
+def _row_pieces(spec: _ConvSpec, padded_shape):
     """(dim, [(first, stop) output rows, ...]) for a piecewise backward, along the
     outermost spatial dim torch does not pad itself; None when one piece will do."""
     cells = int(np.prod(padded_shape))
@@ -292,8 +306,9 @@ def _padded_rows(block, slabs, widths: dict, padded_shape, dim: int, start: int,
     for d, at, slab in slabs:  # slabs overlap at corners, with equal values
         if d != dim:
             piece.narrow(d, at, slab.shape[d]).copy_(slab.narrow(dim, start, stop - start))
-        elif min(stop, at + slab.shape[d]) > max(start, at):
-            a, b = max(start, at), min(stop, at + slab.shape[d])
+            continue
+        a, b = max(start, at), min(stop, at + slab.shape[d])
+        if b > a:
             piece.narrow(dim, a - start, b - a).copy_(slab.narrow(dim, a - at, b - a))
     return piece
 

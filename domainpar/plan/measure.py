@@ -19,7 +19,10 @@ a DomainTensor over a one-rank grid that shards every shardable dim: every
 conv then pads its block with a halo (zeros here, a neighbour's cells in a
 real run; the bytes are the same) and the parameters pass through
 DomainParallel, so the padded copies, halo slabs and gradient buckets of a
-real rank are all counted. One rank is estimated the same way: plain torch
+real rank are all counted. A conv's backward goes in pieces on all but tiny
+blocks (``ops.conv``); the scaled-down blocks are cut the same way even where
+they would be too small, so that they hold per cell what a full-size block
+holds. One rank is estimated the same way: plain torch
 can differ (on CPU it runs small 3-D convs by im2col, with scratch buffers
 many times the input, where domainpar calls oneDNN).
 
@@ -244,8 +247,17 @@ def measure(setup: Setup, points: int, budget_s: float, multiple: int, min_block
     from mpi4py import MPI
 
     from ..comm import ProcessGrid
-    from ..tensor import UnsupportedOpError
+    from ..ops.conv import backward_in_pieces_at_any_size
     grid = ProcessGrid((1,) * len(setup.dims), comm=MPI.COMM_SELF)
+    # A full-size block's conv backward goes in pieces; a scaled-down one must too.
+    with backward_in_pieces_at_any_size():
+        return _measure_ladder(setup, grid, points, budget_s, multiple, min_block, progress)
+
+
+def _measure_ladder(setup: Setup, grid, points: int, budget_s: float, multiple: int,
+                    min_block: int, progress) -> tuple[list[Point], list[str]]:
+    """``measure``'s loop over the block sizes."""
+    from ..tensor import UnsupportedOpError
     measured: list[Point] = []
     failures: list[str] = []
     t0 = time.perf_counter()
