@@ -7,9 +7,9 @@ or unbatched.
   window can pick), then runs torch's max pool with no padding and no ceil_mode
   on them: the gathered range already holds the windows that ceil_mode lets
   reach past the padded input. Output layout: ``window.sliding`` (output ``j``
-  goes to the rank holding its window's centre cell). ``return_indices`` gives global
-  flat indices into the spatial dims of the global input, as torch does, on the
-  output's layout.
+  goes to the rank holding its window's centre cell). ``return_indices`` gives
+  global flat indices into the spatial dims of the global input, as torch does,
+  on the output's layout.
 - avg_pool: the window sums of the zero-padded cells, divided by the divisor
   torch uses for each output (per dim, the window ``[o*s - p, min(o*s - p + k,
   n + p))``, clipped to ``[0, n)`` when ``count_include_pad`` is False; the
