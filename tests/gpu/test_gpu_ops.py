@@ -51,6 +51,9 @@ def _on_the_gpu(test):
 
 test_conv_matches_one_process = _on_the_gpu(test_conv.test_conv_matches_one_process)
 test_conv_float32 = _on_the_gpu(test_conv.test_conv_float32)
+backward_in_pieces = test_conv.backward_in_pieces  # the fixture the next test asks for
+test_conv_backward_in_pieces_matches_one_process = _on_the_gpu(
+    test_conv.test_conv_backward_in_pieces_matches_one_process)
 test_conv_transpose_matches_one_process = _on_the_gpu(
     test_conv.test_conv_transpose_matches_one_process)
 test_conv_transpose_float32 = _on_the_gpu(test_conv.test_conv_transpose_float32)
