@@ -15,7 +15,15 @@ compared with the one-process run on rank 0, in two precisions:
   terms of both signs), so two float32 runs that only add in another order
   differ by far more than 1e-5 of their largest value in places. The test is
   then whether the sharded run is as close to the float64 truth as the
-  one-process run is.
+  one-process run is, judged per group of quantities (the output, the input
+  gradient, the parameter gradients): every member's error (relative to its
+  own largest value) must be within ``FLOAT32_MARGIN`` times the group's
+  float32 noise level, the worst one-process error in the group, plus
+  ``FLOAT32_FLOOR``. One quantity's one-process error is a single draw of
+  rounding and can be near zero by luck (a per-quantity ratio of 11 was seen
+  on 3 ranks); the worst over a group is stable (sharded/one-process between
+  0.3 and 2.5 over 80 checks of the demo's UNet on 2-4 ranks), while a model
+  that is wrong when sharded is off by orders of magnitude more.
 """
 from __future__ import annotations
 
@@ -28,9 +36,11 @@ from ..bench.timing import on_rank0
 from ..testing.oracle import TOLERANCES, shard_like
 
 DTYPES = (torch.float64, torch.float32)
-# float32: the sharded run's error against float64 may be this many times the
-# one-process run's before the check fails (two summation orders, same rounding).
+# float32: a quantity's sharded error against float64 may be this many times its
+# group's one-process error (the worst in the group) before the check fails.
 FLOAT32_MARGIN = 10.0
+# ... plus a couple of float32 roundings of the quantity's scale, always allowed.
+FLOAT32_FLOOR = 2 * torch.finfo(torch.float32).eps
 
 
 def _loss_weight(shape, dtype) -> torch.Tensor:
@@ -57,7 +67,7 @@ def _sharded(model: torch.nn.Module, crop: torch.Tensor, grid, shard) -> dict:
             **{name: p.grad for name, p in model.named_parameters()}}
 
 
-def _fold(name: str) -> str:
+def _group(name: str) -> str:
     """The report row of a quantity: parameter gradients share one."""
     return name if name in ("output", "input gradient") else "parameter gradients"
 
@@ -68,35 +78,51 @@ def _max_rel(a: torch.Tensor, b: torch.Tensor) -> tuple[float, float]:
     return diff, diff / max(float(b.abs().max()), 1e-30)
 
 
+def _row(got: torch.Tensor, want: torch.Tensor, truth: torch.Tensor | None) -> dict:
+    """Local. One quantity: max abs and relative difference of ``got`` (sharded)
+    from ``want`` (one process); without ``truth`` (float64) ok when every
+    element is within the oracle's tolerance; with it (float32) both runs'
+    errors against the float64 truth, judged in ``_fold``."""
+    max_abs, max_rel = _max_rel(got, want)
+    row = {"max_abs": max_abs, "max_rel": max_rel}
+    if truth is None:
+        rtol = TOLERANCES[want.dtype][0]
+        scale = float(want.abs().max())
+        row["ok"] = bool(((got - want).abs() <= rtol * (want.abs() + scale)).all())
+    else:
+        row["error_sharded"] = _max_rel(got, truth)[1]
+        row["error_one_process"] = _max_rel(want, truth)[1]
+    return row
+
+
+def _fold(rows: dict[str, dict]) -> dict:
+    """Local. One group's rows as its worst member's row (named in "worst" when
+    the group has several). float32 rows (with errors against the truth) are
+    judged here: ok when every member's sharded error is within
+    ``FLOAT32_MARGIN`` times the group's noise (its worst one-process error),
+    plus ``FLOAT32_FLOOR``; the row's "error_one_process" is that noise."""
+    judged = "error_sharded" in next(iter(rows.values()))
+    key = "error_sharded" if judged else "max_rel"
+    name, worst = max(rows.items(), key=lambda item: item[1][key])
+    if judged:
+        noise = max(row["error_one_process"] for row in rows.values())
+        ok = worst["error_sharded"] <= FLOAT32_MARGIN * noise + FLOAT32_FLOOR
+        worst = {**worst, "error_one_process": noise}
+    else:
+        ok = all(row["ok"] for row in rows.values())
+    return {**worst, "ok": bool(ok), **({"worst": name} if len(rows) > 1 else {})}
+
+
 def _compare(got: dict, want: dict, truth: dict | None) -> dict:
-    """Local. One row per quantity (parameter gradients folded into their worst):
-    max abs and relative difference of ``got`` (sharded) from ``want`` (one
-    process), and ok. Without ``truth`` (float64): ok when every element is
-    within the oracle's tolerance. With ``truth`` (the float64 one-process run,
-    for float32): ok when the sharded run is about as close to the truth as the
-    one-process run (within ``FLOAT32_MARGIN`` times its error), i.e. the cuts
-    cost nothing beyond float32 rounding."""
-    rows = {}
+    """Local. One row per group of quantities (output, input gradient, parameter
+    gradients; see ``_row`` and ``_fold``), comparing ``got`` (sharded) with
+    ``want`` (one process), and with ``truth`` (the float64 one-process run)
+    when judging float32."""
+    groups: dict[str, dict] = {}
     for name, ref in want.items():
-        max_abs, max_rel = _max_rel(got[name], ref)
-        row = {"max_abs": max_abs, "max_rel": max_rel}
-        if truth is None:
-            rtol = TOLERANCES[ref.dtype][0]
-            scale = float(ref.abs().max())
-            row["ok"] = bool(((got[name] - ref).abs() <= rtol * (ref.abs() + scale)).all())
-        else:
-            row["error_sharded"] = _max_rel(got[name], truth[name])[1]
-            row["error_one_process"] = _max_rel(ref, truth[name])[1]
-            row["ok"] = row["error_sharded"] <= FLOAT32_MARGIN * row["error_one_process"] + 1e-7
-        key = _fold(name)
-        if key != name:
-            row["worst"] = name
-        before = rows.get(key)
-        if before is not None:
-            worse = row if row["max_rel"] > before["max_rel"] else before
-            row = {**worse, "ok": row["ok"] and before["ok"]}
-        rows[key] = row
-    return rows
+        groups.setdefault(_group(name), {})[name] = _row(
+            got[name], ref, None if truth is None else truth[name])
+    return {group: _fold(rows) for group, rows in groups.items()}
 
 
 def check(model: torch.nn.Module, crop: torch.Tensor, grid: dp.ProcessGrid, shard) -> dict:

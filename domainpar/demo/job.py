@@ -160,7 +160,7 @@ def _log_check(stages: _Stages, report: dict) -> None:
                     f"(relative {row['max_rel']:.1e})")
             if "error_sharded" in row:
                 line += (f"; error vs float64: sharded {row['error_sharded']:.1e}, one process "
-                         f"{row['error_one_process']:.1e}")
+                         f"{row['error_one_process']:.1e} (group's worst)")
             worst = f" (worst: {row['worst']})" if "worst" in row else ""
             stages.log(f"{line}  {'ok' if row['ok'] else 'FAILED'}{worst}")
 
