@@ -1,6 +1,8 @@
 """DomainTensor and the op dispatch table (rules for op families live in ops/)."""
-from . import protocol  # noqa: F401  (registers the tensor protocol rules)
+from . import functions, protocol  # noqa: F401  (registers the tensor protocol rules)
 from .dispatch import UnsupportedOpError, allow_gather, register
 from .domain_tensor import DomainTensor, scatter
+
+functions.install()  # user autograd.Functions on DomainTensors keep the graph
 
 __all__ = ["DomainTensor", "UnsupportedOpError", "allow_gather", "register", "scatter"]

@@ -1,0 +1,186 @@
+"""Faults and misuse at the tensor layer and the runtime (issue 17, items 1, 3, 6, 9):
+each is one process's answer or the same clear error on every rank, never a
+silent wrong answer or a hang.
+
+- user ``torch.autograd.Function``s (and module full backward hooks, built on
+  one) keep the graph on DomainTensors: output, input and every parameter
+  gradient equal one process's (item 1; checkpointing: test_checkpointing.py);
+- ``DomainTensor.from_local`` agrees the shard map, dtype, ndim and unsharded
+  sizes across ranks (item 3);
+- an uncaught exception or SIGINT on one rank ends the job even when the
+  script never called ``dp.init()`` (item 6, serial: runs its own mpiexec);
+- ``torch.compile`` on DomainTensors (item 9).
+"""
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn as nn
+from mpi4py import MPI
+
+import domainpar as dp
+from domainpar import cli
+from domainpar.testing import assert_matches_single_process
+
+COMM = MPI.COMM_WORLD
+SIZE, RANK = COMM.Get_size(), COMM.Get_rank()
+ROOT = Path(__file__).resolve().parent.parent
+mpi = [pytest.mark.mpi, pytest.mark.timeout(60)]
+
+
+def raises_on_every_rank(error, match, fn):
+    """Collective. ``fn()`` raises exactly ``error`` with a message matching
+    ``match`` on every rank, the same message everywhere."""
+    try:
+        fn()
+        outcome = "no error"
+    except Exception as exc:  # noqa: BLE001 (compared below, on every rank)
+        outcome = (type(exc).__name__, str(exc))
+    outcomes = COMM.allgather(outcome)
+    assert all(o != "no error" and o[0] == error.__name__ for o in outcomes), outcomes
+    assert len(set(outcomes)) == 1, f"messages differ between ranks: {outcomes}"
+    assert re.search(match, outcomes[0][1]), outcomes[0][1]
+
+
+# -- item 1: user autograd.Functions ------------------------------------------------------------
+class Twice(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x * 2
+
+    @staticmethod
+    def backward(ctx, g):
+        return g * 2
+
+
+class Centred(torch.autograd.Function):
+    """Ops that communicate inside forward and backward (a mean over sharded dims)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x - x.mean(dim=(2, 3), keepdim=True)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g - g.mean(dim=(2, 3), keepdim=True)
+
+
+class TanhGate(torch.autograd.Function):
+    """Saves its input."""
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return x * torch.tanh(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        (x,) = ctx.saved_tensors
+        t = torch.tanh(x)
+        return g * (t + x * (1 - t * t))
+
+
+class Exp(torch.autograd.Function):
+    """Saves its output."""
+
+    @staticmethod
+    def forward(ctx, x):
+        y = torch.exp(x)
+        ctx.save_for_backward(y)
+        return y
+
+    @staticmethod
+    def backward(ctx, g):
+        (y,) = ctx.saved_tensors
+        return g * y
+
+
+class Scale(torch.autograd.Function):
+    """setup_context style, with a replicated parameter as a second input."""
+
+    @staticmethod
+    def forward(x, w):
+        return x * w
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.save_for_backward(*inputs)
+
+    @staticmethod
+    def backward(ctx, g):
+        x, w = ctx.saved_tensors
+        return g * w, (g * x).sum().reshape(w.shape)
+
+
+class WithFunction(nn.Module):
+    """conv -> a user Function -> conv: the first conv's gradients flow through it."""
+
+    def __init__(self, fn):
+        super().__init__()
+        self.fn = fn
+        self.before = nn.Conv2d(2, 3, 3, padding=1)
+        self.after = nn.Conv2d(3, 2, 3, padding=1)
+        self.w = nn.Parameter(torch.tensor([1.5]))
+
+    def forward(self, x):
+        h = torch.tanh(self.before(x))
+        h = self.fn.apply(h, self.w) if self.fn is Scale else self.fn.apply(h)
+        return self.after(h)
+
+
+def _grid_and_shard():
+    if SIZE == 4:
+        return dp.ProcessGrid((2, 2)), {2: 0, 3: 1}
+    return dp.ProcessGrid((SIZE,)), {2: 0}
+
+
+@pytest.mark.parametrize("fn", [Twice, Centred, TanhGate, Exp, Scale], ids=lambda f: f.__name__)
+@pytest.mark.mpi
+@pytest.mark.timeout(60)
+def test_user_autograd_function_matches_one_process(fn):
+    grid, shard = _grid_and_shard()
+    torch.manual_seed(0)
+    model = WithFunction(fn).double()
+    x = torch.randn((2, 2, 9, 7), generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    errors = assert_matches_single_process(model, x, grid, shard)
+    checked = {"input 0 gradient", "gradient of before.weight"} | ({"gradient of w"} if fn is Scale
+                                                                  else set())
+    assert checked <= set(errors)
+
+
+@pytest.mark.mpi
+@pytest.mark.timeout(60)
+def test_user_function_output_is_a_domain_tensor_in_the_graph():
+    grid, shard = _grid_and_shard()
+    x = dp.scatter(torch.randn(1, 2, 8, 6, dtype=torch.float64), grid, shard,
+                   requires_grad=True)
+    y = Twice.apply(x)
+    assert isinstance(y, dp.DomainTensor) and y.requires_grad
+    assert y.grad_fn is not None and y.grad_fn.name() == "TwiceBackward"
+    y.sum().backward()
+    assert torch.equal(x.grad.to_local(), torch.full_like(x.to_local(), 2.0))
+
+
+@pytest.mark.mpi
+@pytest.mark.timeout(60)
+def test_module_full_backward_hook_sees_domain_tensors():
+    grid, shard = _grid_and_shard()
+    torch.manual_seed(0)
+    model = WithFunction(Twice).double()
+    seen = []
+    model.after.register_full_backward_hook(
+        lambda m, grad_in, grad_out: seen.append((grad_in[0], grad_out[0])))
+    x = torch.randn((1, 2, 8, 6), generator=torch.Generator().manual_seed(2), dtype=torch.float64)
+    errors = assert_matches_single_process(model, x, grid, shard)
+    assert "gradient of before.weight" in errors
+    # The hook of the deep copy run on DomainTensors saw whole-tensor gradients.
+    dts = [g for pair in seen for g in pair if isinstance(g, dp.DomainTensor)]
+    assert len(dts) == 2 and tuple(dts[0].shape) == (1, 3, 8, 6)
