@@ -184,3 +184,54 @@ def test_module_full_backward_hook_sees_domain_tensors():
     # The hook of the deep copy run on DomainTensors saw whole-tensor gradients.
     dts = [g for pair in seen for g in pair if isinstance(g, dp.DomainTensor)]
     assert len(dts) == 2 and tuple(dts[0].shape) == (1, 3, 8, 6)
+
+
+# -- item 3: from_local agrees the layout across ranks --------------------------------------------
+@pytest.mark.mpi
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("sizes", [False, True], ids=["learned", "given"])
+def test_from_local_shard_maps_that_differ_between_ranks(sizes):
+    if SIZE < 2:
+        pytest.skip("needs 2 ranks (one rank passes another shard map)")
+    grid = dp.ProcessGrid((SIZE,))
+    block = torch.zeros(1, 2, 4, 4, dtype=torch.float64)
+    shard = {3: 0} if RANK == SIZE - 1 else {2: 0}
+    given = {d: [4] * SIZE for d in shard} if sizes else None
+    raises_on_every_rank(dp.MismatchError, "shard",
+                         lambda: dp.DomainTensor.from_local(block, grid, shard, given))
+
+
+@pytest.mark.mpi
+@pytest.mark.timeout(60)
+def test_from_local_grid_axes_that_differ_between_ranks():
+    if SIZE < 2:
+        pytest.skip("needs 2 ranks (one rank names another grid axis)")
+    grid = dp.ProcessGrid((SIZE, 1))
+    block = torch.zeros(1, 2, 4, 4, dtype=torch.float64)
+    shard = {2: 1} if RANK == SIZE - 1 else {2: 0}
+    raises_on_every_rank(dp.MismatchError, "shard",
+                         lambda: dp.DomainTensor.from_local(block, grid, shard))
+
+
+@pytest.mark.mpi
+@pytest.mark.timeout(60)
+def test_from_local_same_shard_map_spelled_differently_is_fine():
+    grid = dp.ProcessGrid((SIZE,))
+    shard = {-1: -1} if RANK == SIZE - 1 else {3: 0}
+    x = dp.DomainTensor.from_local(torch.zeros(1, 2, 4, 3, dtype=torch.float64), grid, shard)
+    assert tuple(x.shape) == (1, 2, 4, 3 * SIZE) and x.decomposition.shard == {3: 0}
+
+
+@pytest.mark.mpi
+@pytest.mark.timeout(60)
+def test_from_local_dims_that_differ_raise_mismatch():
+    if SIZE < 2:
+        pytest.skip("needs 2 ranks (one rank passes another block)")
+    grid = dp.ProcessGrid((SIZE,))
+    odd = RANK == SIZE - 1
+    cases = [(torch.zeros(2, 3, dtype=torch.float32 if odd else torch.float64), "dtype"),
+             (torch.zeros((2, 3, 1) if odd else (2, 3), dtype=torch.float64), "dims"),
+             (torch.zeros(2, 4 if odd else 3, dtype=torch.float64), "dim 1 is not sharded")]
+    for block, match in cases:
+        raises_on_every_rank(dp.MismatchError, match,
+                             lambda: dp.DomainTensor.from_local(block, grid, {0: 0}))

@@ -14,7 +14,7 @@ import torch
 
 from .. import autograd as ag
 from ..comm.decomposition import Decomposition
-from ..comm.errors import LayoutError, agree, signature_of
+from ..comm.errors import LayoutError, MismatchError, agree, signature_of
 from ..comm.grid import ProcessGrid
 from . import dispatch, layout
 
@@ -62,8 +62,10 @@ class DomainTensor(torch.Tensor):
         gradients flow to ``block``.
 
         Without ``sizes`` the block sizes along the sharded dims are learned by
-        one allgather of the block shapes. Blocks whose dtypes or non-sharded dims
-        differ between ranks raise the same LayoutError on every rank.
+        one allgather of the block shapes, which also compares every rank's shard
+        map, grid, dtype, number of dims and non-sharded sizes: any that differ
+        raise the same MismatchError on every rank (with ``sizes``, the
+        Decomposition check compares them).
         """
         problem = None
         if isinstance(block, DomainTensor) or not isinstance(block, torch.Tensor):
@@ -73,14 +75,15 @@ class DomainTensor(torch.Tensor):
         else:
             shape, dtype = tuple(block.shape), str(block.dtype)
         if sizes is None:
-            stories = grid.comm.allgather((problem, shape, dtype))
-            sizes, problem = _sizes_from_shapes(stories, grid, shard)
-            agree(grid.comm, problem, what="from_local")
-            # The global shape: any block's, with each sharded dim the sum of its sizes.
-            global_shape = list(stories[0][1])
-            for d, s in sizes.items():
+            story = (problem, shape, dtype, _normalised_shard(shard, shape, grid),
+                     (grid.dims, grid.periodic))
+            sizes, error = _sizes_from_stories(grid.comm.allgather(story), grid)
+            if error is not None:  # every rank holds the same stories: all raise alike
+                raise error
+            global_shape = list(shape)
+            for d, s in sizes.items():  # each sharded dim: the sum of its block sizes
                 global_shape[d] = sum(s)
-            dec = Decomposition(global_shape, grid, shard, sizes, check=False)
+            dec = Decomposition(global_shape, grid, story[3], sizes, check=False)
             return cls(block, dec)
         if problem is None:
             global_shape = list(shape)
@@ -131,42 +134,56 @@ class DomainTensor(torch.Tensor):
                 f"{layout.sharded_dims_text(self._dec)}, local=\n{self._local!r})")
 
 
-def _sizes_from_shapes(stories, grid: ProcessGrid, shard: Mapping[int, int]):
-    """Block sizes per sharded dim from every rank's (problem, shape, dtype), or a
-    problem that every rank finds alike (all ranks hold the same stories)."""
-    problems = [f"rank {r}: {p}" for r, (p, _, _) in enumerate(stories) if p]
-    if problems:
-        return None, "; ".join(problems)
-    shapes = [s for _, s, _ in stories]
-    dtypes = {d for _, _, d in stories}
-    if len(dtypes) > 1:
-        return None, ("from_local: block dtypes differ between ranks ("
-                      + "; ".join(f"rank {r}: {d}" for r, (_, _, d) in enumerate(stories)) + ")")
-    ndims = {len(s) for s in shapes}
-    if len(ndims) > 1:
-        return None, ("from_local: blocks have different numbers of dims ("
-                      + "; ".join(f"rank {r}: {s}" for r, s in enumerate(shapes)) + ")")
-    ndim = ndims.pop()
+def _normalised_shard(shard, shape, grid: ProcessGrid):
+    """``shard`` as ``{dim: axis}`` with non-negative keys and axes, or the
+    reason it does not fit a block of ``shape`` on ``grid`` (a string)."""
+    if shape is None:
+        return None
     try:
-        dims = {int(d) % ndim if -ndim <= int(d) < ndim else None: int(a) % grid.ndim
-                for d, a in shard.items()}
-    except (TypeError, ValueError, ZeroDivisionError) as exc:
-        return None, f"from_local: bad shard {shard}: {exc}"
-    if None in dims:
-        return None, f"from_local: shard {dict(shard)} names a dim a {ndim}-D block does not have"
-    for d in range(ndim):
+        return Decomposition(shape, grid, shard, check=False).shard
+    except (LayoutError, TypeError, ValueError, AttributeError) as exc:
+        return f"bad shard {shard!r}: {exc}"
+
+
+def _differ(stories, i: int, what: str) -> MismatchError | None:
+    """A MismatchError naming every rank's value when item ``i`` of the stories differs."""
+    if len({repr(s[i]) for s in stories}) == 1:
+        return None
+    return MismatchError(f"from_local: {what} differ between ranks ("
+                         + "; ".join(f"rank {r}: {s[i]}" for r, s in enumerate(stories)) + ")")
+
+
+def _sizes_from_stories(stories, grid: ProcessGrid):
+    """Block sizes per sharded dim from every rank's (problem, shape, dtype,
+    shard, grid), or the error that every rank raises alike (all ranks hold the
+    same stories)."""
+    problems = [f"rank {r}: {s[0]}" for r, s in enumerate(stories) if s[0]]
+    if problems:
+        return None, LayoutError("; ".join(problems))
+    shapes = [s[1] for s in stories]
+    error = (_differ(stories, 2, "block dtypes")
+             or _differ([(None, len(s)) for s in shapes], 1, "numbers of block dims")
+             or _differ(stories, 3, "shard maps (as {tensor dim: grid axis})")
+             or _differ(stories, 4, "grids (dims, periodic)"))
+    if error is not None:
+        return None, error
+    dims = stories[0][3]
+    if isinstance(dims, str):
+        return None, LayoutError(f"from_local: {dims}")
+    for d in range(len(shapes[0])):
         if d not in dims and len({s[d] for s in shapes}) > 1:
-            return None, (f"from_local: dim {d} is not sharded but its size differs between "
-                          "ranks (" + "; ".join(f"rank {r}: {s[d]}" for r, s in enumerate(shapes))
-                          + ")")
+            return None, MismatchError(
+                f"from_local: dim {d} is not sharded but its size differs between ranks ("
+                + "; ".join(f"rank {r}: {s[d]}" for r, s in enumerate(shapes)) + ")")
     sizes = {}
     for d, axis in dims.items():
         per_coord: dict[int, set] = {}
         for r, s in enumerate(shapes):
             per_coord.setdefault(grid.coords_of(r)[axis], set()).add(s[d])
         if any(len(v) > 1 for v in per_coord.values()):
-            return None, (f"from_local: ranks at the same coordinate of grid axis {axis} hold "
-                          f"blocks of different sizes along sharded dim {d}")
+            return None, LayoutError(
+                f"from_local: ranks at the same coordinate of grid axis {axis} hold blocks of "
+                f"different sizes along sharded dim {d}")
         sizes[d] = [per_coord[c].pop() for c in range(grid.dims[axis])]
     return sizes, None
 
