@@ -77,6 +77,7 @@ from ..tensor.dispatch import UnsupportedOpError, op_name, register, same_grid
 from ..tensor.domain_tensor import DomainTensor
 from ..tensor.params import enter_domain
 from .common import bind
+from .reduce import allreduce_extremum
 
 KERNEL = "auto"        # "auto": torch's CPU flash kernel where it applies; "math": always ours
 MATH_TILE = 1 << 22    # score elements per tile of the math kernel
@@ -224,7 +225,7 @@ def _shift(send, recv, comm, tag=collectives.RING_TAG):
 def _combine(out, lse, comm):
     """Collective over ``comm``. Per-rank partial (out, lse) over disjoint key
     blocks combined into the (replicated) attention over all keys."""
-    top = ag.allreduce_tensor(lse, comm, "max")
+    top = allreduce_extremum(lse, comm, "max")
     top = torch.where(torch.isneginf(top), 0.0, top)
     w = torch.exp(lse - top)
     den = ag.allreduce_tensor(w, comm, "sum")

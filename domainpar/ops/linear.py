@@ -27,6 +27,7 @@ from ..tensor.dispatch import UnsupportedOpError, op_name, register
 from ..tensor.domain_tensor import DomainTensor
 from ..tensor.params import enter_domain
 from .common import bind
+from .reduce import allreduce_extremum
 
 T = torch.Tensor
 
@@ -157,10 +158,9 @@ def global_softmax(x: DomainTensor, dim: int, log: bool, dtype=None) -> DomainTe
         part = torch.full(keep, -math.inf, dtype=local.dtype, device=local.device)
     else:
         part = local.detach().amax(dim=dim, keepdim=True)
-    m = ag.allreduce_tensor(part, comm, "max") if comm.Get_size() > 1 else part
-    # The shift only guards exp against overflow; detached, it adds no gradient.
-    shift = torch.where(torch.isinf(m), torch.zeros_like(m), m)
-    z = local - shift
+    # The shift guards exp against overflow; detached, it adds no gradient. As in
+    # torch it is the maximum itself: a row holding +inf or NaN, or all -inf, is NaN.
+    z = local - allreduce_extremum(part, comm, "max")
     s = z.exp().sum(dim=dim, keepdim=True)
     if comm.Get_size() > 1:
         # The replicated sum re-enters every block: Broadcast sums its gradient.

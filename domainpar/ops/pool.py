@@ -53,6 +53,7 @@ from ..tensor.dispatch import UnsupportedOpError, op_name, register
 from ..tensor.domain_tensor import DomainTensor
 from . import window
 from .common import bind
+from .reduce import allreduce_extremum, global_first_index, global_flat_index, lowest
 
 _NN = torch._C._nn
 
@@ -88,25 +89,9 @@ def _spatial(x: DomainTensor, nsp: int) -> list[int]:
     return list(range(x.ndim - nsp, x.ndim))
 
 
-def _lowest(dtype):
-    return -math.inf if dtype.is_floating_point else torch.iinfo(dtype).min
-
-
 def _empty(local_shape, *tensors) -> bool:
     # torch's pools refuse empty non-batch dims: empty blocks take the placeholder path
     return 0 in tuple(local_shape) or any(t.numel() == 0 for t in tensors)
-
-
-def _global_indices(local: torch.Tensor, cells_shape, origins, global_shape) -> torch.Tensor:
-    """Flat indices into the gathered cells (spatial shape ``cells_shape``, first
-    cell at global ``origins``) as flat indices into the global spatial dims."""
-    rest, out = local, torch.zeros_like(local)
-    scale = 1
-    for size, origin, n in zip(reversed(cells_shape), reversed(origins), reversed(global_shape)):
-        out = out + (rest % size + origin) * scale
-        rest = rest // size
-        scale *= n
-    return out
 
 
 def _result(out, indices, out_dec, with_indices: bool):
@@ -146,12 +131,12 @@ def max_pool(x: DomainTensor, nsp: int, kernel, stride, padding, dilation, ceil_
         out, idx = _MAX_WITH_INDICES[nsp](local, kernel, stride, padding, dilation, ceil_mode)
         return _result(out, idx, out_dec, True)
     cells, out_dec, origins = _sliding(x, nsp, out_shape, kernel, stride, padding, dilation,
-                                       _lowest(x.dtype))
+                                       lowest(x.dtype))
     if _empty(out_dec.local_shape(), cells):
         out = window.placeholder(out_dec.local_shape(), cells, cells)
         return _result(out, out.detach().long(), out_dec, True)
     out, idx = _MAX_WITH_INDICES[nsp](cells, kernel, stride, 0, dilation, False)
-    idx = _global_indices(idx, cells.shape[-nsp:], origins, x.shape[-nsp:])
+    idx = global_flat_index(idx, cells.shape[-nsp:], origins, x.shape[-nsp:])
     return _result(out, idx, out_dec, True)
 
 
@@ -261,8 +246,9 @@ def avg_pool_rule(func, args, kwargs):
 # -- adaptive pooling ---------------------------------------------------------------------------
 def _max_over(x: DomainTensor, dims) -> torch.Tensor:
     """Collective over the grid axes of ``dims``. This block's maximum over ``dims``
-    (kept, size 1), replicated along those axes; the gradient goes to the first
-    maximum in the global raster order of ``dims``, as torch's adaptive max pool."""
+    (kept, size 1), replicated along those axes, NaN where any is; the gradient goes to
+    the first maximum (the last NaN) in the global raster order of ``dims``, as torch's
+    adaptive max pool."""
     local, dec = x._local, x._dec
     comm = layout.comm_of(dec, dims)
     rest = [d for d in range(local.ndim) if d not in dims]
@@ -272,22 +258,24 @@ def _max_over(x: DomainTensor, dims) -> torch.Tensor:
     if flat.shape[-1] == 0:
         # + the (zero) sum of the empty block: the result stays in local's graph,
         # so every rank takes part in backward's collectives.
-        values = torch.full(flat.shape[:-1] + (1,), _lowest(local.dtype), dtype=local.dtype,
+        values = torch.full(flat.shape[:-1] + (1,), lowest(local.dtype), dtype=local.dtype,
                             device=local.device) + flat.sum(-1, keepdim=True)
         where = torch.zeros(values.shape, dtype=torch.long, device=local.device)
     else:
-        values, where = flat.max(-1, keepdim=True)
-        where = _global_indices(where, [local.shape[d] for d in dims],
-                                [dec.offsets()[d] for d in dims], [x.shape[d] for d in dims])
+        where = flat.argmax(-1, keepdim=True)
+        # torch's max pools take the last NaN of a window (the first of tied maxima)
+        nan = torch.isnan(flat) if flat.is_floating_point() else torch.zeros_like(flat, dtype=bool)
+        last = flat.shape[-1] - 1 - nan.flip(-1).to(torch.uint8).argmax(-1, keepdim=True)
+        where = torch.where(nan.any(-1, keepdim=True), last, where)
+        values = flat.gather(-1, where)
+        where = global_flat_index(where, [local.shape[d] for d in dims],
+                                  [dec.offsets()[d] for d in dims], [x.shape[d] for d in dims])
     if comm.Get_size() == 1:
         return values.reshape(keep)
-    best = ag.allreduce_tensor(values, comm, "max")
+    best = allreduce_extremum(values, comm, "max")
     out = best
     if values.requires_grad and torch.is_grad_enabled():
-        big = torch.iinfo(torch.long).max
-        candidate = torch.where(values == best, where, torch.full_like(where, big))
-        winner = ag.allreduce_tensor(candidate, comm, "min")
-        mine = (candidate == winner) & (values == best)
+        _, mine = global_first_index(values, best, where, comm, last_nan=True)
         shift = torch.where(torch.isfinite(best), best, torch.zeros_like(best))
         out = best + ag.allreduce_sum(torch.where(mine, values - shift, torch.zeros_like(values)),
                                       comm)
@@ -314,14 +302,12 @@ def _reduce_to_one(x: DomainTensor, dims, kind: str) -> DomainTensor:
 
 def adaptive_pool(func, x: DomainTensor, nsp: int, output_size, kind: str, indices: bool):
     """Local, neighbour-wise collective or collective (see the module docstring)."""
-    torch_fn = _ADAPTIVE_AVG[nsp] if kind == "avg" else _ADAPTIVE_MAX[nsp]
     # torch's Python wrapper resolves None entries of output_size. The max pool's
     # checks are the avg pool's; its meta kernel, unlike the avg pool's for output
     # size 1 (a decomposition into mean), does not import torch._dynamo (seconds).
     meta = getattr(F, f"adaptive_max_pool{nsp}d_with_indices")(_meta(x), output_size)[0]
     out_shape = tuple(meta.shape)
-    spatial, dec = _spatial(x, nsp), x._dec
-    sharded = _sharded_spatial(x, nsp)
+    dec, sharded = x._dec, _sharded_spatial(x, nsp)
     ones = [d for d in sharded if out_shape[d] == 1 and x.shape[d] > 1]
     bad = [d for d in sharded if d not in ones and x.shape[d] % out_shape[d]]
     if bad:
@@ -335,13 +321,38 @@ def adaptive_pool(func, x: DomainTensor, nsp: int, output_size, kind: str, indic
             f"{op_name(func)} with return_indices on a DomainTensor sharded on "
             f"{layout.sharded_dims_text(dec)}: output size 1 along sharded dims {ones} is a "
             f"global reduction, which does not return indices")
+    if ones and kind == "max":
+        return _adaptive_max_in_order(x, nsp, out_shape)
     if ones:
         x = _reduce_to_one(x, ones, kind)
-        dec = x._dec
+    return _adaptive_windows(x, nsp, out_shape, kind, indices)
+
+
+def _adaptive_max_in_order(x: DomainTensor, nsp: int, out_shape) -> DomainTensor:
+    """Collective. An adaptive max pool with output size 1 along some sharded dims:
+    torch scans each window in raster order (the first of tied maxima, the last NaN
+    win), so the inner dims are reduced first: the local windows, then the global
+    maximum over every dim of output size 1, when these all come before the windowed
+    dims (a global pool has none); the global maximum first otherwise."""
+    spatial = _spatial(x, nsp)
+    ones = [d for d in spatial if out_shape[d] == 1 and x.shape[d] > 1]
+    windowed = [d for d in spatial if d not in ones and x.shape[d] != out_shape[d]]
+    if windowed and max(ones) > min(windowed):
+        return _adaptive_windows(_reduce_to_one(x, ones, "max"), nsp, out_shape, "max", False)
+    inner = [x.shape[d] if d in ones else n for d, n in enumerate(out_shape)]
+    return _reduce_to_one(_adaptive_windows(x, nsp, inner, "max", False), ones, "max")
+
+
+def _adaptive_windows(x: DomainTensor, nsp: int, out_shape, kind: str, indices: bool):
+    """Neighbour-wise collective. The adaptive pool where each sharded dim's output
+    size divides its size: gathered windows, then torch's pool on the block."""
+    spatial, dec = _spatial(x, nsp), x._dec
+    torch_fn = _ADAPTIVE_AVG[nsp] if kind == "avg" else _ADAPTIVE_MAX[nsp]
     plans = {}
     for d in _sharded_spatial(x, nsp):
-        k = x.shape[d] // out_shape[d]
-        plans[d] = window.sliding(x.shape[d], dec.block_sizes(d), out_shape[d], k, k, 1, 0)
+        if out_shape[d] != x.shape[d]:
+            k = x.shape[d] // out_shape[d]
+            plans[d] = window.sliding(x.shape[d], dec.block_sizes(d), out_shape[d], k, k, 1, 0)
     out_dec = window.out_layout(dec, out_shape, plans)
     cells = window.gather(x, plans) if plans else x._local
     local_shape = out_dec.local_shape()
@@ -355,7 +366,7 @@ def adaptive_pool(func, x: DomainTensor, nsp: int, output_size, kind: str, indic
     if indices:
         origins = [plans[d].need[window.coordinate(dec, d)][0] if d in plans else 0
                    for d in spatial]
-        idx = _global_indices(idx, cells.shape[-nsp:], origins, x.shape[-nsp:])
+        idx = global_flat_index(idx, cells.shape[-nsp:], origins, x.shape[-nsp:])
     return _result(out, idx, out_dec, indices)
 
 

@@ -12,9 +12,14 @@ is the identity).
 How each combines so that values and gradients equal one process:
 
 - sum, mean: allreduce of block sums.
-- amax, amin, max(), min(): allreduce max/min of block extrema; the gradient is
-  spread evenly over all elements equal to the extremum, across ranks, as torch
-  does, by adding a term that is exactly zero in value and carries that gradient.
+- amax, amin, max(), min(): allreduce max/min of block extrema, NaN carried by
+  a flag (MPI's MAX/MIN drop NaN by the order they meet it; torch returns NaN);
+  the gradient is spread evenly over all elements equal to the extremum, across
+  ranks, as torch does, by adding a term that is exactly zero in value and
+  carries that gradient. Where the result is NaN each form follows torch: amax
+  and amin give NaN to the whole slab, max() and min() share among the NaNs.
+- max/min along a dim, argmax, argmin: the first index of the extremum (the
+  first NaN where there is one), over all ranks.
 - var, std: two passes, the global mean first, then the allreduced sum of squared
   deviations from it (never E[x^2] - E[x]^2).
 - norm: block norms are themselves combined with the same norm (every p-norm of
@@ -78,16 +83,48 @@ def _keep_shape(local: torch.Tensor, dims) -> list[int]:
     return [1 if d in dims else n for d, n in enumerate(local.shape)]
 
 
-def _lowest(dtype):
+def lowest(dtype):
     return -math.inf if dtype.is_floating_point else torch.iinfo(dtype).min
 
 
-def _highest(dtype):
+def highest(dtype):
     return math.inf if dtype.is_floating_point else torch.iinfo(dtype).max
 
 
 def _needs_grad(t: torch.Tensor) -> bool:
     return t.requires_grad and torch.is_grad_enabled()
+
+
+def allreduce_extremum(part: torch.Tensor, comm: MPI.Comm, op: str) -> torch.Tensor:
+    """Collective over ``comm``. ``part`` reduced elementwise with ``op`` ('max' or
+    'min') over the ranks of ``comm``, NaN winning as in torch: MPI's MAX/MIN drop
+    NaN by the order they meet it, so a NaN flag travels in the same message.
+    Detached (a building block)."""
+    if comm.Get_size() == 1:
+        return part.detach()
+    if not part.is_floating_point():
+        return ag.allreduce_tensor(part, comm, op)
+    nan = torch.isnan(part)
+    fill = lowest(part.dtype) if op == "max" else highest(part.dtype)
+    flag = nan.to(part.dtype) if op == "max" else -nan.to(part.dtype)
+    both = ag.allreduce_tensor(torch.stack([torch.where(nan, fill, part.detach()), flag]),
+                               comm, op)
+    return torch.where(both[1] != 0, math.nan, both[0])
+
+
+def global_first_index(values, best, indices, comm: MPI.Comm, last_nan: bool = False):
+    """Collective over ``comm``. Per slot, the smallest of the ranks' global
+    ``indices`` whose ``values`` equal ``best`` (NaN equal to NaN): the first
+    extremum, as torch's max(dim) returns it; with ``last_nan`` the largest where
+    ``best`` is NaN (torch's max pools). Returns it and whether this rank holds it."""
+    nan = torch.isnan(best) if best.is_floating_point() else torch.zeros_like(best, dtype=bool)
+    same = (values == best) | (nan & torch.isnan(values))
+    big = torch.iinfo(torch.long).max
+    key = torch.where(nan, big - indices, indices) if last_nan else indices
+    candidate = torch.where(same, key, torch.full_like(key, big))
+    winner = ag.allreduce_tensor(candidate, comm, "min") if comm.Get_size() > 1 else candidate
+    mine = same & (candidate == winner)
+    return (torch.where(nan, big - winner, winner) if last_nan else winner), mine
 
 
 # -- sum, mean -------------------------------------------------------------------------------
@@ -120,23 +157,31 @@ def _mean(func, args, kwargs):
 
 
 # -- extrema ---------------------------------------------------------------------------------
-def global_extremum(x: DomainTensor, dims, keepdim: bool, op: str):
-    """amax (op='max') or amin (op='min') over ``dims``, with torch's gradient."""
+def global_extremum(x: DomainTensor, dims, keepdim: bool, op: str, nan_grad: str = "all"):
+    """amax (op='max') or amin (op='min') over ``dims``, with torch's gradient. Where
+    the result is NaN the gradient is, as torch gives it: ``nan_grad='all'`` NaN on
+    the whole slab (amax/amin), ``'even'`` shared among its NaNs (max()/min()),
+    ``'none'`` zero (inf norms)."""
     local, comm = x._local, _comm(x, dims)
     if any(local.shape[d] == 0 for d in dims):
-        fill = _lowest(local.dtype) if op == "max" else _highest(local.dtype)
+        fill = lowest(local.dtype) if op == "max" else highest(local.dtype)
         part = torch.full(_keep_shape(local, dims), fill, dtype=local.dtype, device=local.device)
     else:
         part = (local.amax if op == "max" else local.amin)(dim=dims, keepdim=True)
-    m = ag.allreduce_tensor(part, comm, op) if comm.Get_size() > 1 else part.detach()
+    m = allreduce_extremum(part, comm, op)
     if not _needs_grad(local):
         return _finish(x, m, dims, keepdim)
     # Value m exactly; gradient g / count to each element equal to the extremum.
-    mask = local == m
+    nan = torch.isnan(m)
+    mask = torch.where(nan, torch.isnan(local), local == m) if nan_grad == "even" else local == m
     count = ag.allreduce_tensor(mask.sum(dim=dims, keepdim=True), comm, "sum").to(local.dtype)
     shift = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
     zero = torch.where(mask, local - shift, torch.zeros_like(local)).sum(dim=dims, keepdim=True)
-    return _finish(x, m + _combine_sum(zero / count.clamp_min(1), comm), dims, keepdim)
+    zero = zero / count.clamp_min(1)
+    if nan_grad == "all" and bool(nan.any()):  # NaN times every element: a NaN gradient
+        factor = torch.where(nan, m, torch.zeros_like(m))
+        zero = zero + torch.where(nan, (local * factor).sum(dim=dims, keepdim=True), 0.0)
+    return _finish(x, m + _combine_sum(zero, comm), dims, keepdim)
 
 
 @register(torch.amax, T.amax, torch.amin, T.amin)
@@ -158,7 +203,7 @@ def _max_min(func, args, kwargs):
     x, dim, keepdim = _bind(func, args, kwargs, names, {})
     op = "max" if "max" in func.__name__ else "min"
     if dim is None:
-        return global_extremum(x, normalize_dims(None, x.ndim), False, op)
+        return global_extremum(x, normalize_dims(None, x.ndim), False, op, nan_grad="even")
     return _extremum_with_index(func, x, normalize_dims(dim, x.ndim)[0], bool(keepdim), op)
 
 
@@ -174,7 +219,7 @@ def _extremum_with_index(func, x: DomainTensor, dim: int, keepdim: bool, op: str
     comm = _comm(x, (dim,))
     keep = _keep_shape(local, (dim,))
     if local.shape[dim] == 0:
-        fill = _lowest(local.dtype) if op == "max" else _highest(local.dtype)
+        fill = lowest(local.dtype) if op == "max" else highest(local.dtype)
         # + the (zero) sum of the empty block: the result stays in local's graph,
         # so every rank takes part in backward, an empty block included.
         values = torch.full(keep, fill, dtype=local.dtype, device=local.device) + \
@@ -182,18 +227,60 @@ def _extremum_with_index(func, x: DomainTensor, dim: int, keepdim: bool, op: str
         indices = torch.zeros(keep, dtype=torch.long, device=local.device)
     else:
         values, indices = func(local, dim, True)
-    best = ag.allreduce_tensor(values, comm, op)
-    big = torch.iinfo(torch.long).max
-    candidate = torch.where(values == best, indices + dec.offsets()[dim],
-                            torch.full_like(indices, big))
-    winner = ag.allreduce_tensor(candidate, comm, "min")
+    best = allreduce_extremum(values, comm, op)
+    winner, mine = global_first_index(values, best, indices + dec.offsets()[dim], comm)
     out = best
     if _needs_grad(local):
-        mine = (candidate == winner) & (values == best)
         shift = torch.where(torch.isfinite(best), best, torch.zeros_like(best))
         zero = torch.where(mine, values - shift, torch.zeros_like(values))
         out = best + _combine_sum(zero, comm)
     return result_type((_finish(x, out, (dim,), keepdim), _finish(x, winner, (dim,), keepdim)))
+
+
+@register(torch.argmax, T.argmax, torch.argmin, T.argmin)
+def _argmax_argmin(func, args, kwargs):
+    """Collective over the axes of the reduced sharded dims. Global indices of the first
+    extremum (the first NaN where there is one), along one dim or of the flattened
+    tensor, keepdim; as torch."""
+    x, dim, keepdim = _bind(func, args, kwargs, ("input", "dim", "keepdim"), {})
+    op = "max" if "max" in func.__name__ else "min"
+    if x.numel() == 0 or x.is_complex():   # torch's own error, on every rank alike
+        return func(torch.empty(x.shape, dtype=x.dtype, device="meta"), dim, bool(keepdim))
+    with torch.no_grad():
+        if dim is not None:
+            dim = normalize_dims(dim, x.ndim)[0]
+            pick = torch.max if op == "max" else torch.min
+            return _extremum_with_index(pick, x, dim, bool(keepdim), op)[1]
+        return _flat_arg_extremum(x, bool(keepdim), op)
+
+
+def _flat_arg_extremum(x: DomainTensor, keepdim: bool, op: str) -> torch.Tensor:
+    """argmax/argmin of the flattened tensor: a replicated global flat index."""
+    local, dec = x._local, x._dec
+    dims = tuple(range(x.ndim))
+    if local.numel() == 0:
+        fill = lowest(local.dtype) if op == "max" else highest(local.dtype)
+        value = torch.full((), fill, dtype=local.dtype, device=local.device)
+        flat = torch.zeros((), dtype=torch.long, device=local.device)
+    else:
+        value, flat = (local.reshape(-1).max if op == "max" else local.reshape(-1).min)(0)
+    index = global_flat_index(flat, local.shape, dec.offsets(), x.shape)
+    comm = _comm(x, dims)
+    best = allreduce_extremum(value, comm, op)
+    winner, _ = global_first_index(value, best, index, comm)
+    return winner.reshape([1] * x.ndim) if keepdim else winner
+
+
+def global_flat_index(flat: torch.Tensor, local_shape, offsets, global_shape) -> torch.Tensor:
+    """A flat index into a block of ``local_shape`` at ``offsets`` as a flat index into
+    the global shape."""
+    out = torch.zeros_like(flat)
+    rest, scale = flat, 1
+    for size, offset, n in zip(reversed(local_shape), reversed(offsets), reversed(global_shape)):
+        out = out + (rest % max(size, 1) + offset) * scale
+        rest = rest // max(size, 1)
+        scale *= n
+    return out
 
 
 # -- var, std ---------------------------------------------------------------------------------
@@ -253,7 +340,7 @@ def global_vector_norm(x: DomainTensor, ord, dims, keepdim: bool, dtype=None):
     local = x._local if dtype is None else x._local.to(dtype)
     if ord in (math.inf, -math.inf):
         ax = DomainTensor(local.abs(), x._dec)
-        return global_extremum(ax, dims, keepdim, "max" if ord > 0 else "min")
+        return global_extremum(ax, dims, keepdim, "max" if ord > 0 else "min", nan_grad="none")
     comm = _comm(x, dims)
     if any(local.shape[d] == 0 for d in dims):
         # Zeros that stay in the graph: every rank's result must require grad
@@ -313,7 +400,7 @@ def _logsumexp(func, args, kwargs):
                           device=local.device)
     else:
         part = local.detach().amax(dim=dims, keepdim=True)
-    m = ag.allreduce_tensor(part, comm, "max") if comm.Get_size() > 1 else part
+    m = allreduce_extremum(part, comm, "max")
     shift = torch.where(torch.isinf(m), torch.zeros_like(m), m)
     s = _combine_sum(torch.exp(local - shift).sum(dim=dims, keepdim=True), comm)
     return _finish(x, torch.log(s) + shift, dims, bool(keepdim))
