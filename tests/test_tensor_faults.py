@@ -235,3 +235,43 @@ def test_from_local_dims_that_differ_raise_mismatch():
     for block, match in cases:
         raises_on_every_rank(dp.MismatchError, match,
                              lambda: dp.DomainTensor.from_local(block, grid, {0: 0}))
+
+
+# -- item 6: one rank failing ends the job without dp.init() ---------------------------------------
+ONE_RANK_FAILS = """
+import os, signal, sys
+import domainpar as dp          # never calls dp.init(), as the README's tensor example
+grid = dp.ProcessGrid()
+if grid.rank == 1:
+    if sys.argv[1] == "raise":
+        raise RuntimeError("rank 1 fails alone")
+    os.kill(os.getpid(), signal.SIGINT)   # Ctrl-C reaching one rank only
+grid.comm.Barrier()  # rank 0 would wait here forever without the abort
+"""
+
+
+def _run_job(script, *args, timeout=60):
+    """(exit status, stderr) of a 2-rank mpiexec job; a hang kills the job's process
+    group and fails the test."""
+    proc = subprocess.Popen(["mpiexec", "-n", "2", sys.executable, str(script), *args],
+                            env=dict(cli.mpiexec_env(), PYTHONPATH=str(ROOT)),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        _, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        pytest.fail(f"the job hung: still running after {timeout} s")
+    return proc.returncode, err
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("how", ["raise", "sigint"])
+def test_one_rank_failing_without_init_ends_the_job(tmp_path, how):
+    script = tmp_path / "one_rank_fails.py"
+    script.write_text(textwrap.dedent(ONE_RANK_FAILS))
+    code, err = _run_job(script, how)
+    assert code != 0, err
+    assert ("rank 1 fails alone" if how == "raise" else "KeyboardInterrupt") in err, err
+    assert "Traceback" in err and "aborting the job" in err, err

@@ -7,6 +7,7 @@ from typing import Iterable, Sequence
 
 from mpi4py import MPI
 
+from . import runtime
 from .errors import LayoutError, agree, signature_of
 
 
@@ -83,6 +84,7 @@ class ProcessGrid:
         return self
 
     def _init_from_cart(self, cart: MPI.Cartcomm) -> None:
+        runtime.install_abort_hook_under_mpi()  # MPI may have started after our import
         self.comm: MPI.Cartcomm = cart
         self.dims: tuple[int, ...] = tuple(cart.dims)
         self.periodic: tuple[bool, ...] = tuple(bool(p) for p in cart.periods)

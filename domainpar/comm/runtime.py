@@ -10,6 +10,7 @@ import sys
 from mpi4py import MPI
 
 _initialised = False
+_abort_hook_installed = False
 
 
 def init(bind_device: bool = True) -> MPI.Comm:
@@ -24,14 +25,26 @@ def init(bind_device: bool = True) -> MPI.Comm:
     if not MPI.Is_initialized():
         MPI.Init_thread(MPI.THREAD_MULTIPLE)
     if not _initialised:
-        _install_abort_hook()
+        install_abort_hook()
         if bind_device:
             bind_gpu()
         _initialised = True
     return MPI.COMM_WORLD
 
 
-def _install_abort_hook() -> None:
+def install_abort_hook() -> None:
+    """Local; idempotent. Make an uncaught exception (KeyboardInterrupt from a
+    Ctrl-C too) on this rank print its traceback and then abort the whole MPI
+    job, instead of leaving the other ranks waiting in their next collective.
+
+    Installed by ``init()``, on import of ``domainpar.comm`` when MPI already
+    runs with more than one process, and when a ProcessGrid is made: a script
+    that never calls ``dp.init()`` is covered too. Does nothing in a world of one.
+    """
+    global _abort_hook_installed
+    if _abort_hook_installed:
+        return
+    _abort_hook_installed = True
     previous = sys.excepthook
 
     def abort_on_uncaught(kind, value, tb):
@@ -43,6 +56,15 @@ def _install_abort_hook() -> None:
             MPI.COMM_WORLD.Abort(1)
 
     sys.excepthook = abort_on_uncaught
+
+
+def install_abort_hook_under_mpi() -> None:
+    """Local. ``install_abort_hook()`` when MPI runs with more than one process."""
+    if MPI.Is_initialized() and not MPI.Is_finalized() and MPI.COMM_WORLD.Get_size() > 1:
+        install_abort_hook()
+
+
+install_abort_hook_under_mpi()  # on import: domainpar used under mpiexec without dp.init()
 
 
 @functools.lru_cache(maxsize=None)
