@@ -7,11 +7,10 @@ graph, ``tensor.params.enter_domain``): correct, but one small allreduce per
 use. Inside ``DomainParallel.forward`` those uses are *deferred*: each op's
 backward hands its partial gradient to the reducer below and contributes
 nothing to ``.grad`` itself. The reducer adds the partials of a parameter
-until every use recorded in forward has arrived, packs ready parameters into
-buckets of about ``bucket_cap_mb``, and starts a nonblocking allreduce per full
-bucket while backward goes on. At the end of backward (an autograd engine
-callback) the last buckets start, all are waited for, and the sums are added
-to ``.grad``.
+until every use recorded in forward has arrived, and reduces parameters in
+buckets of about ``bucket_cap_mb`` (a nonblocking allreduce per bucket while
+backward goes on). At the end of backward (an autograd engine callback) the
+last buckets start, all are waited for, and the sums are added to ``.grad``.
 
 Why partials and not ``.grad`` (as DDP does): the true gradient is a SUM over
 ranks (DESIGN.md); summing ``.grad`` would also multiply by the number of
@@ -19,29 +18,51 @@ ranks whatever a parameter received from computations on replicated values
 (identical on every rank) and whatever ``.grad`` held before this backward.
 Only the partials are summed, so both stay exact.
 
-Ranks build buckets in the order parameters become ready. That order is the
-autograd engine's, identical on every rank for the same model, so buckets and
-their nonblocking allreduces match across ranks.
+Agreement, so that ranks whose graphs differ never hang or diverge:
+- at wrap time the parameters and buffers (names, shapes, dtypes) are agreed
+  before anything is broadcast: a model built differently on some rank is a
+  MismatchError on every rank;
+- at the end of every forward one allreduce agrees which parameters were used
+  (and over which communicator). The buckets are then a deterministic plan over
+  the *union* of the parameters used on any rank, started strictly in plan
+  order, so every rank issues the same reductions in the same order whatever
+  its own graph. A parameter that a rank did not use (a boundary term only the
+  ranks on the boundary apply), or whose backward never reached it there,
+  contributes a zero partial: the sum is one process's gradient. Parameters
+  not used on every rank go into buckets reduced at the end of backward, so a
+  blocking reduction never waits mid-backward for a rank that is not coming;
+- a backward that raised leaves state behind; the next forward notices it
+  (agreed: if any rank does) and every rank starts afresh on new duplicated
+  communicators, so no half-finished reduction can match a new one.
+Limits: the grid's sub-communicators are made at wrap time; a parameter used on
+some ranks only, on tensors of *another* grid whose sub-communicator was never
+used on every rank, makes it (collective) on those ranks only and hangs. A rank whose backward never reaches the model (no gradient flows into its
+output) never finishes the step, and the others wait for it.
 """
 from __future__ import annotations
 
 import itertools
 from typing import Iterable
 
+import numpy as np
 import torch
 from mpi4py import MPI
+from torch.utils._pytree import tree_leaves
 
 from ..autograd._arrays import to_array
 from ..comm import collectives
+from ..comm.errors import DomainparError, MismatchError, agree, signature_of
 from ..comm.grid import ProcessGrid
 from ..tensor import params as domain_params
 from ..tensor.dispatch import UnsupportedOpError
 
 
 class DomainParallel(torch.nn.Module):
-    """Collective (construction broadcasts parameters and buffers from rank 0 of
-    ``grid``). Wraps ``module`` so that its parameters' gradients are summed over
-    the grid bucketed and asynchronously during backward.
+    """Collective (construction agrees on the module's structure and broadcasts
+    parameters and buffers from rank 0 of ``grid``; every forward agrees on the
+    parameters it used: one small allreduce). Wraps ``module`` so that its
+    parameters' gradients are summed over the grid bucketed and asynchronously
+    during backward.
 
     ``bucket_cap_mb``: the size of a bucket. ``overlap``: start each full
     bucket's allreduce nonblocking while backward goes on (the default, for
@@ -53,7 +74,8 @@ class DomainParallel(torch.nn.Module):
     ``shard={0: 0, 2: 1}``) need nothing special: gradients are summed over all
     ranks that hold distinct data. Buffers are broadcast once here; ops that
     update buffers (normalization running stats) keep them identical on every
-    rank themselves.
+    rank themselves. A parameter used on some ranks only gets the sum of the
+    partial gradients of the ranks that used it (zero from the others).
     """
 
     def __init__(self, module: torch.nn.Module, grid: ProcessGrid, *,
@@ -61,17 +83,42 @@ class DomainParallel(torch.nn.Module):
         super().__init__()
         self.module = module
         self.grid = grid
+        _agree_structure(module, grid.comm)
         with torch.no_grad():
             for t in itertools.chain(module.parameters(), module.buffers()):
                 _broadcast_in_place(t, grid.comm)
-        self._reducer = _Reducer(module.parameters(), int(bucket_cap_mb * 2**20), overlap)
+        named = list(module.named_parameters())
+        for _, p in named:  # equal now: ops need not compare them (collectively) again
+            domain_params.check_replicated(p, grid.comm)
+        # Every sub-communicator an op may reduce over, made now on every rank (each
+        # is collective on first use) and numbered alike everywhere.
+        subs = [grid.sub(axes) for r in range(1, grid.ndim + 1)
+                for axes in itertools.combinations(range(grid.ndim), r)]
+        self._reducer = _Reducer(named, grid.comm, subs, int(bucket_cap_mb * 2**20), overlap)
 
     def forward(self, *args, **kwargs):
+        self._reducer.begin_forward()
         token = domain_params.set_deferrer(self._reducer.deferral)
         try:
-            return self.module(*args, **kwargs)
+            out = self.module(*args, **kwargs)
         finally:
             domain_params.reset_deferrer(token)
+        self._reducer.agree_uses()
+        return self._reducer.watch(out)
+
+
+def _agree_structure(module: torch.nn.Module, comm: MPI.Comm) -> None:
+    """Collective. MismatchError on every rank if the module's parameters and
+    buffers (names, shapes, dtypes) differ between ranks."""
+    tensors = [(name, tuple(t.shape), str(t.dtype).replace("torch.", "")) for name, t in
+               itertools.chain(module.named_parameters(), module.named_buffers())]
+    text = ", ".join(f"{n} {s} {d}" for n, s, d in tensors)
+    if len(text) > 400:
+        text = f"{text[:190]} ... {text[-190:]}"
+    agree(comm, None, signature=signature_of(tensors),
+          what="DomainParallel: the module's parameters and buffers (names, shapes, dtypes; "
+               "build the same model on every rank)",
+          described=f"{len(tensors)} tensors: {text}")
 
 
 def _broadcast_in_place(t: torch.Tensor, comm: MPI.Comm) -> None:
@@ -82,91 +129,188 @@ def _broadcast_in_place(t: torch.Tensor, comm: MPI.Comm) -> None:
         data.copy_(work)
 
 
-class _Reducer:
-    """Deferred partial gradients of one module's parameters, reduced in buckets."""
+_UNUSED = 2**40  # larger than any communicator index
 
-    def __init__(self, parameters: Iterable[torch.nn.Parameter], bucket_bytes: int,
-                 overlap: bool = True):
-        self._managed = {id(p): p for p in parameters}
+
+class _Reducer:
+    """Deferred partial gradients of one module's parameters, reduced in buckets
+    planned from the parameters used on any rank (agreed after each forward)."""
+
+    def __init__(self, named: list[tuple[str, torch.nn.Parameter]], comm: MPI.Comm,
+                 known: list[MPI.Comm], bucket_bytes: int, overlap: bool = True):
+        self._names = [n for n, _ in named]
+        self._params = [p for _, p in named]
+        self._index = {id(p): i for i, p in enumerate(self._params)}
+        self._comm = comm
         self._overlap = overlap
         self._bucket_bytes = max(bucket_bytes, 1)
-        # id(op's comm) -> (index, private duplicate); the index, not id(), orders
-        # buckets, since ids differ between ranks and the order must not.
-        self._comms: dict[int, tuple[int, MPI.Comm]] = {}
-        self._expected: dict[int, int] = {}       # id(p) -> uses recorded in forward
-        self._partial: dict[int, torch.Tensor] = {}
-        self._comm_of: dict[int, tuple[int, MPI.Comm]] = {}
-        self._open: dict[tuple, list[int]] = {}   # bucket key -> ready param ids
-        self._open_bytes: dict[tuple, int] = {}
-        self._launched: list[tuple[list[int], torch.Tensor, collectives.PendingReduction]] = []
-        self._callback_queued = False
+        # Communicators the ops reduce over: the grid's, numbered alike on every rank,
+        # then any other in first-use order (ids differ between ranks; the numbers
+        # must not); and private duplicates of them.
+        self._op_comms: list[MPI.Comm] = list(known)
+        self._comm_index = {id(c): k for k, c in enumerate(known)}
+        self._dups: list[MPI.Comm] = []
+        self._stale = False
+        self._abandoned: list = []
+        self._clear()
 
-    # -- forward: record uses ----------------------------------------------------------------
+    def _clear(self) -> None:
+        """Local. Forget the step: uses, partials, the plan, launched reductions."""
+        self._uses: dict[int, int] = {}       # param index -> uses recorded in forward
+        self._comm_of: dict[int, int] = {}    # param index -> communicator index
+        self._arrived: dict[int, int] = {}
+        self._partial: dict[int, torch.Tensor] = {}
+        self._plan: list[tuple[list[int], int, bool]] = []  # (indices, comm, late)
+        self._bucket_of: dict[int, int] = {}
+        self._missing: list[int] = []
+        self._ready: set[int] = set()
+        self._next = 0
+        self._launched: list[tuple[list[int], torch.Tensor, object]] = []
+        self._in_backward = False
+
+    # -- forward: record uses, then agree on them ---------------------------------------------
+    def begin_forward(self) -> None:
+        """Local. A backward that started and never finished (it raised) left its
+        state: drop it; ``agree_uses`` then renews the communicators everywhere."""
+        if self._in_backward:
+            # Reductions it started may never complete (a peer may not have started
+            # them): keep their buffers and communicators alive, never wait on them.
+            self._abandoned.append((self._launched, self._dups))
+            self._clear()
+            self._stale = True
+
     def deferral(self, p: torch.Tensor, comm: MPI.Comm):
         """Called by ops in forward for every use of a replicated tensor ``p``; returns
         the callable receiving its partial gradient, or None for tensors that are
         not this module's parameters (those are reduced by the op itself)."""
-        pid = id(p)
-        if pid not in self._managed:
+        i = self._index.get(id(p))
+        if i is None:
             return None
-        if id(comm) not in self._comms:  # collective, in forward order on every rank
-            self._comms[id(comm)] = (len(self._comms), comm.Dup())
-        own = self._comms[id(comm)]
-        previous = self._comm_of.setdefault(pid, own)
-        if previous is not own:
+        c = self._comm_index.get(id(comm))
+        if c is None:
+            c = self._comm_index[id(comm)] = len(self._op_comms)
+            self._op_comms.append(comm)
+        if self._comm_of.setdefault(i, c) != c:
             raise UnsupportedOpError(
                 "DomainParallel: a parameter used on tensors sharded over different grid "
                 "axes in one step; use it outside DomainParallel (per-op reductions)")
-        self._expected[pid] = self._expected.get(pid, 0) + 1
-        return lambda grad: self._arrive(pid, grad)
+        self._uses[i] = self._uses.get(i, 0) + 1
+        return lambda grad: self._arrive(i, grad)
 
-    # -- backward: collect partials, start full buckets --------------------------------------
-    def _arrive(self, pid: int, grad: torch.Tensor) -> None:
-        if not self._callback_queued:
+    def agree_uses(self) -> None:
+        """Collective (one allreduce over the grid). Agree on the parameters used in
+        forward on any rank and their communicators, then plan the buckets."""
+        n = len(self._params)
+        v = np.zeros(n, dtype=np.int64)
+        for i, c in self._comm_of.items():
+            v[i] = c + 1 if self._uses.get(i) else 0
+        ncomms = len(self._op_comms)
+        flags = np.concatenate([v, -np.where(v > 0, v, _UNUSED), -v,
+                                [ncomms, -ncomms, int(self._stale)]]).astype(np.int64)
+        if self._comm.Get_size() > 1:
+            self._comm.Allreduce(MPI.IN_PLACE, flags, op=MPI.MAX)
+        vmax, vmin_used, vmin = flags[:n], -flags[n:2 * n], -flags[2 * n:3 * n]
+        if flags[3 * n + 2]:  # some rank's backward broke off: fresh communicators
+            self._dups, self._stale = [], False
+        differ = [self._names[i] for i in range(n) if 0 < vmax[i] != vmin_used[i]]
+        if flags[3 * n] != -flags[3 * n + 1] or differ:
+            self._clear()
+            raise MismatchError(
+                f"DomainParallel: the ranks' forwards used parameters on different grid "
+                f"communicators ({differ or 'a communicator used on some ranks only'}); "
+                f"every rank must run the same ops on tensors sharded alike")
+        while len(self._dups) < ncomms:  # collective over each op's communicator, in order
+            self._dups.append(self._op_comms[len(self._dups)].Dup())
+        self._make_plan(vmax, vmin)
+
+    def _make_plan(self, vmax: np.ndarray, vmin: np.ndarray) -> None:
+        """Local (the same on every rank: made from agreed values only). Buckets in
+        the reverse order of the parameters (about the order backward reaches
+        them); those not used on every rank come last, reduced at the end."""
+        plan: list[tuple[list[int], int, bool]] = []
+        for late in (False, True):
+            open_: dict[tuple, tuple[list[int], int]] = {}
+            for i in reversed(range(len(self._params))):
+                if vmax[i] == 0 or bool(vmin[i] == 0) != late:
+                    continue
+                p = self._params[i]
+                key = (int(vmax[i]) - 1, str(p.dtype), str(p.device))
+                members, size = open_.get(key, ([], 0))
+                members.append(i)
+                size += p.numel() * p.element_size()
+                open_[key] = (members, size)
+                if size >= self._bucket_bytes:
+                    plan.append((open_.pop(key)[0], key[0], late))
+            plan.extend((members, key[0], late) for key, (members, _) in open_.items())
+        self._plan = plan
+        self._bucket_of = {i: b for b, (members, _, _) in enumerate(plan) for i in members}
+        self._missing = [len(members) for members, _, _ in plan]
+
+    def watch(self, out):
+        """Local. Hooks on the outputs that start the step's end-of-backward work when
+        backward reaches them, also on a rank where no parameter's gradient arrives."""
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor) and t.requires_grad:
+                t.register_hook(self._on_output_grad)
+        return out
+
+    # -- backward: collect partials, start complete buckets in plan order ----------------------
+    def _on_output_grad(self, grad):
+        self._begin_backward()
+
+    def _begin_backward(self) -> None:
+        if not self._in_backward:
             torch.autograd.Variable._execution_engine.queue_callback(self._finish)
-            self._callback_queued = True
+            self._in_backward = True
+
+    def _arrive(self, i: int, grad: torch.Tensor) -> None:
+        self._begin_backward()
+        if i not in self._bucket_of:
+            raise DomainparError(f"DomainParallel: a gradient for {self._names[i]} from a "
+                                 f"forward that did not finish")
         # Kept as handed over, no copy: autograd never writes to a gradient it has
         # passed to a backward, and a second use makes a new sum.
-        self._partial[pid] = self._partial[pid] + grad if pid in self._partial else grad
+        self._partial[i] = self._partial[i] + grad if i in self._partial else grad
         for _, _, pending in self._launched:  # without a progress thread MPI moves
             pending.test()                      # nonblocking work only inside calls
-        self._expected[pid] = self._expected.get(pid, 1) - 1
-        if self._expected[pid] <= 0:
-            self._ready(pid)
+        self._arrived[i] = self._arrived.get(i, 0) + 1
+        if self._arrived[i] >= self._uses.get(i, 0):
+            self._mark_ready(i)
+            self._launch_in_order(final=False)
 
-    def _ready(self, pid: int) -> None:
-        g = self._partial[pid]
-        key = (self._comm_of[pid][0], str(g.dtype), str(g.device))
-        self._open.setdefault(key, []).append(pid)
-        self._open_bytes[key] = self._open_bytes.get(key, 0) + g.numel() * g.element_size()
-        if self._open_bytes[key] >= self._bucket_bytes:
-            self._launch(key)
+    def _mark_ready(self, i: int) -> None:
+        if i not in self._ready:
+            self._ready.add(i)
+            self._missing[self._bucket_of[i]] -= 1
 
-    def _launch(self, key: tuple) -> None:
-        pids = self._open.pop(key)
-        self._open_bytes.pop(key)
-        flat = torch.cat([self._partial[pid].reshape(-1) for pid in pids])
-        comm = self._comm_of[pids[0]][1]
+    def _launch_in_order(self, final: bool) -> None:
+        while self._next < len(self._plan) and self._missing[self._next] == 0 and (
+                final or not self._plan[self._next][2]):
+            self._launch(self._next)
+            self._next += 1
+
+    def _launch(self, b: int) -> None:
+        members, c, _ = self._plan[b]
+        flat = torch.cat([self._partial[i].reshape(-1) if i in self._partial else
+                          torch.zeros(self._params[i].numel(), dtype=self._params[i].dtype,
+                                      device=self._params[i].device) for i in members])
         if self._overlap:
-            request = collectives.iallreduce(to_array(flat), comm, "sum")
+            request = collectives.iallreduce(to_array(flat), self._dups[c], "sum")
         else:
-            collectives.allreduce(to_array(flat), comm, "sum", check=False)
+            collectives.allreduce(to_array(flat), self._dups[c], "sum", check=False)
             request = _Done()
-        self._launched.append((pids, flat, request))
+        self._launched.append((members, flat, request))
 
     # -- end of backward: the rest, then write .grad ---------------------------------------------
     def _finish(self) -> None:
-        for pid in list(self._partial):  # uses whose backward never ran: ready now
-            if self._expected.get(pid, 0) > 0:
-                self._expected[pid] = 0
-                self._ready(pid)
-        for key in sorted(self._open):
-            self._launch(key)
-        for pids, flat, request in self._launched:
+        for i in self._bucket_of:  # unused here, or a backward that never ran: zero partials
+            self._mark_ready(i)
+        self._launch_in_order(final=True)
+        for members, flat, request in self._launched:
             request.wait()
             offset = 0
-            for pid in pids:
-                p = self._managed[pid]
+            for i in members:
+                p = self._params[i]
                 n = p.numel()
                 g = flat[offset:offset + n].view_as(p)
                 offset += n
@@ -174,10 +318,7 @@ class _Reducer:
                     p.grad = g
                 else:
                     p.grad.add_(g)
-        self._partial.clear()
-        self._expected.clear()
-        self._launched.clear()
-        self._callback_queued = False
+        self._clear()
 
 
 class _Done:
