@@ -275,3 +275,39 @@ def test_one_rank_failing_without_init_ends_the_job(tmp_path, how):
     assert code != 0, err
     assert ("rank 1 fails alone" if how == "raise" else "KeyboardInterrupt") in err, err
     assert "Traceback" in err and "aborting the job" in err, err
+
+
+# -- item 9: torch.compile ---------------------------------------------------------------------
+class SmallConvNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv1 = nn.Conv2d(2, 3, 3, padding=1)
+        self.norm = nn.GroupNorm(1, 3)
+        self.conv2 = nn.Conv2d(3, 2, 3, padding=1)
+
+    def forward(self, x):
+        h = nn.functional.gelu(self.norm(self.conv1(x)))
+        if x.requires_grad:  # autograd state read in compiled code: the block's, as eager
+            h = h * 2
+        return self.conv2(h) + x.mean(dim=(2, 3), keepdim=True)
+
+
+@pytest.mark.mpi
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_torch_compile_on_domain_tensors_matches_one_process(backend):
+    """The compiled model (``Module.compile``, names kept) on DomainTensors gives the
+    eager one-process model's output and gradients: DomainTensor ops run eagerly
+    between the compiled pieces (graph breaks), communication included."""
+    torch._dynamo.reset()
+    grid, shard = _grid_and_shard()
+    torch.manual_seed(0)
+    model = SmallConvNet().double()
+    x = torch.randn((1, 2, 9, 7), generator=torch.Generator().manual_seed(4), dtype=torch.float64)
+
+    def compiled(m):
+        m.compile(backend=backend)
+        return m
+
+    errors = assert_matches_single_process(model, x, grid, shard, wrap=compiled)
+    assert {"input 0 gradient", "gradient of conv1.weight"} <= set(errors)
