@@ -60,6 +60,19 @@ def allreduce_tensor(t: torch.Tensor, comm: MPI.Comm, op: str = "sum") -> torch.
 
 
 # -- halo fill / accumulate -------------------------------------------------------------
+def accumulate_in_place(t: torch.Tensor, halo: HaloExchange) -> torch.Tensor:
+    """Neighbour-wise collective. ``halo.accumulate`` on the contiguous ``t``, in
+    place; half types add in float32 (bfloat16 travels as its bit pattern, which
+    numpy would add as integers)."""
+    wide = _WIDENED.get(t.dtype)
+    if wide is None:
+        halo.accumulate(to_array(t), check=False)
+        return t
+    w = t.to(wide)
+    halo.accumulate(to_array(w), check=False)
+    return t.copy_(w)
+
+
 class HaloFill(torch.autograd.Function):
     """Neighbour-wise collective. Ghost cells of a padded block get the owners'
     values. Adjoint: ghosts are sent back, added to the owners, and zeroed."""
@@ -82,9 +95,7 @@ class HaloAccumulate(torch.autograd.Function):
     @staticmethod
     def forward(ctx, padded: torch.Tensor, halo: HaloExchange):
         ctx.halo = halo
-        out = _contiguous_copy(padded)
-        halo.accumulate(to_array(out), check=False)
-        return out
+        return accumulate_in_place(_contiguous_copy(padded), halo)
 
     @staticmethod
     def backward(ctx, grad):

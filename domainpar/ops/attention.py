@@ -77,6 +77,7 @@ from ..tensor.dispatch import UnsupportedOpError, op_name, register, same_grid
 from ..tensor.domain_tensor import DomainTensor
 from ..tensor.params import enter_domain
 from .common import bind
+from .common import meta as _meta
 from .reduce import allreduce_extremum
 
 KERNEL = "auto"        # "auto": torch's CPU flash kernel where it applies; "math": always ours
@@ -600,12 +601,6 @@ def _use_flash(q4, v4) -> bool:
 # -- torch.nn.functional.scaled_dot_product_attention ------------------------------------------
 _SDPA_NAMES = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale",
                "enable_gqa")
-
-
-def _meta(t):
-    if t is None or not isinstance(t, torch.Tensor):
-        return t
-    return torch.empty(t.shape, dtype=t.dtype, device="meta")
 
 
 @register(F.scaled_dot_product_attention)

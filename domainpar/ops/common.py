@@ -122,3 +122,37 @@ def bind(func: Any, args, kwargs, names: Sequence[str], defaults=None, *,
                                  f"supported on DomainTensors")
     defaults = defaults or {}
     return {n: given.get(n, defaults.get(n)) for n in names}
+
+
+# -- mixed precision (torch.autocast) ----------------------------------------------------------
+def autocast_dtype(t: torch.Tensor):
+    """Local. The dtype torch.autocast gives a lower-precision op's floating operands
+    on ``t``'s device (bfloat16 or float16), or None where autocast is off there."""
+    kind = t.device.type
+    return torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else None
+
+
+def autocast_operands(*tensors):
+    """Local. ``tensors`` (None kept) as autocast hands them to a lower-precision op
+    (conv, linear, matmul, attention): floating ones cast, differentiably, to the
+    autocast dtype; unchanged where autocast is off. For op rules whose local work
+    runs in their own autograd.Function or mixes in operands after torch's op,
+    which autocast's own casts would not reach."""
+    lead = next(t for t in tensors if isinstance(t, torch.Tensor))
+    dtype = autocast_dtype(lead)
+    if dtype is None:
+        return tensors
+    return tuple(t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t
+                 for t in tensors)
+
+
+def meta(t, dtype=None):
+    """Local. An empty tensor of ``t``'s global shape on the meta device (None and
+    non-tensors as they are), for torch's own argument checks and output shape.
+    Under autocast a floating tensor takes the autocast dtype, as the op's real call
+    sees it: the meta device has no autocast, and mixed dtypes would fail there."""
+    if not isinstance(t, torch.Tensor):
+        return t
+    if dtype is None and t.is_floating_point():
+        dtype = autocast_dtype(t)
+    return torch.empty(t.shape, dtype=dtype or t.dtype, device="meta")

@@ -34,12 +34,14 @@ import torch.nn.functional as F
 
 from .. import autograd as ag
 from ..autograd._arrays import to_array
+from ..autograd.primitives import accumulate_in_place
 from ..tensor import layout
 from ..tensor.dispatch import UnsupportedOpError, op_name, register
 from ..tensor.domain_tensor import DomainTensor
 from ..tensor.params import enter_domain
 from . import window
-from .common import bind
+from .common import autocast_operands, bind
+from .common import meta as _meta
 
 _CONV = {F.conv1d: 1, F.conv2d: 2, F.conv3d: 3}
 _CONV_T = {F.conv_transpose1d: 1, F.conv_transpose2d: 2, F.conv_transpose3d: 3}
@@ -47,10 +49,6 @@ _CONV_T = {F.conv_transpose1d: 1, F.conv_transpose2d: 2, F.conv_transpose3d: 3}
 
 def _tuple(v, n: int) -> tuple:
     return tuple(v) if isinstance(v, (tuple, list)) else (v,) * n
-
-
-def _meta(t):
-    return None if t is None else torch.empty(t.shape, dtype=t.dtype, device="meta")
 
 
 def check_operands(func, x, weight, bias, nsp: int) -> None:
@@ -129,7 +127,8 @@ def conv(func, args, kwargs):
         else:  # a whole dim with symmetric padding: torch pads it, cheaper in backward
             torch_pads.append(pads[i][0])
     out_dec = window.out_layout(dec, out_shape, plans)
-    w, b = _enter(weight, bias, out_dec)
+    # Under autocast, cast as autocast would: HaloConv's backward runs outside it.
+    block, w, b = autocast_operands(x._local, *_enter(weight, bias, out_dec))
     widths = {d: (p.lo, p.hi) for d, p in plans.items() if p.lo or p.hi}
     halo = None
     if any(d in dec.shard for d in widths):
@@ -138,7 +137,7 @@ def conv(func, args, kwargs):
     spec = _ConvSpec(func, tuple(stride), tuple(torch_pads), tuple(dilation), a["groups"],
                      tuple(sorted(widths.items())), tuple(sorted(windows.items())),
                      out_dec.local_shape())
-    return DomainTensor(HaloConv.apply(x._local, w, b, halo, spec), out_dec)
+    return DomainTensor(HaloConv.apply(block, w, b, halo, spec), out_dec)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -203,7 +202,7 @@ class HaloConv(torch.autograd.Function):
         g_block = None
         if need_in:
             if ctx.halo is not None:
-                ctx.halo.accumulate(to_array(g_padded), check=False)
+                accumulate_in_place(g_padded, ctx.halo)
             g_block = g_padded
             for d, (lo, _) in spec.widths:
                 g_block = g_block.narrow(d, lo, ctx.block_shape[d])
@@ -499,10 +498,10 @@ def conv_transpose(func, args, kwargs):
                                         stride[i], dilation[i], padding[i])
             padding[i] = out_pad[i] = 0  # the sharded dims are cut to size below
     out_dec = window.out_layout(dec, out_shape, plans)
-    w, b = _enter(weight, bias, out_dec)
+    # Under autocast, cast as autocast would: the bias is added after torch's op.
+    local, w, b = autocast_operands(x._local, *_enter(weight, bias, out_dec))
 
     # This rank's contributions, placed in its output block padded by the spill widths.
-    local = x._local
     padded_shape = list(local.shape[:2]) + list(out_dec.local_shape()[2:])
     padded_shape[1] = out_shape[1]
     for d, p in plans.items():

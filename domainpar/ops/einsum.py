@@ -40,6 +40,7 @@ from ..tensor import layout
 from ..tensor.dispatch import UnsupportedOpError, op_name, register, same_grid
 from ..tensor.domain_tensor import DomainTensor
 from ..tensor.params import enter_domain
+from .common import meta
 
 
 def _explicit(equation: str, ndims) -> tuple[list[str], str]:
@@ -78,7 +79,7 @@ def einsum(func, args, kwargs):
         operands = list(operands[0])
     dts = [t for t in operands if isinstance(t, DomainTensor)]
     same_grid(func, dts)
-    metas = [torch.empty(t.shape, dtype=t.dtype, device="meta") for t in operands]
+    metas = [meta(t) for t in operands]
     out_shape = tuple(torch.einsum(equation, *metas).shape)  # torch's own checks
     terms, out_term = _explicit(equation, [t.ndim for t in operands])
     explicit = ",".join(terms) + "->" + out_term

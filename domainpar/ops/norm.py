@@ -159,6 +159,7 @@ def moments(local: torch.Tensor, dims, comm: MPI.Comm, counts):
     keep the reduced dims (size 1) and are replicated over ``comm``."""
     dims = tuple(dims)
     n_me = counts[comm.Get_rank()]
+    local = local.to(opmath(local.dtype))  # half types: float32 statistics, as torch's
     if local.numel() == 0:
         # Zeros that stay in the graph: every rank's result must need grad alike,
         # or only some would enter the backward's collectives.
@@ -188,6 +189,11 @@ def moments(local: torch.Tensor, dims, comm: MPI.Comm, counts):
     return mean, m2, n
 
 
+def opmath(dtype: torch.dtype) -> torch.dtype:
+    """The type torch's CPU and CUDA kernels compute a half type in: float32."""
+    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+
+
 def _invstd(m2: torch.Tensor, n: int, eps: float) -> torch.Tensor:
     return torch.rsqrt(m2 / max(n, 1) + eps)
 
@@ -205,27 +211,30 @@ class Affine(torch.autograd.Function):
     """Local. (x - mean) * invstd * weight + bias, every operand broadcast against
     x (weight and bias may be None). Saves x and the small operands only (torch's
     fused kernels save no more); backward forms (x - mean) again, which keeps the
-    weight and statistics gradients exact under a large offset."""
+    weight and statistics gradients exact under a large offset. A half-type x
+    (autocast) is computed in float32 and the result rounded to x's type, as
+    torch's mixed-type kernels do; x is saved as it is."""
 
     @staticmethod
     def forward(ctx, x, mean, invstd, weight, bias):
         scale = invstd if weight is None else invstd * weight
-        out = (x - mean).mul_(scale)
+        out = (x.to(opmath(x.dtype)) - mean).mul_(scale)
         if bias is not None:
             out.add_(bias)
         ctx.save_for_backward(x, mean, invstd, weight)
         ctx.bias_shape = None if bias is None else bias.shape
-        return out
+        return out if x.dtype == opmath(x.dtype) else out.to(x.dtype)
 
     @staticmethod
     def backward(ctx, g):
         x, mean, invstd, weight = ctx.saved_tensors
+        x_type, x, g = x.dtype, x.to(opmath(x.dtype)), g.to(opmath(g.dtype))
         need_x, need_mean, need_inv, need_w, need_b = ctx.needs_input_grad
         scale = invstd if weight is None else invstd * weight
         gx = gmean = ginv = gw = gb = None
         if need_x or need_mean:
             gs = g * scale
-            gx = gs if need_x else None
+            gx = gs.to(x_type) if need_x else None
             gmean = -gs.sum_to_size(mean.shape) if need_mean else None
         if need_inv or need_w:
             gdev = g * (x - mean)
