@@ -5,7 +5,8 @@ of its forms: the reentrant one (``use_reentrant=True``, an autograd.Function
 that recomputes its block inside backward) and the non-reentrant one (saved
 tensor hooks). The loss, the input gradient and every parameter gradient equal
 one process's run of the same checkpointed model on the whole tensor (float64,
-1e-10). Before the fix the reentrant form cut the graph on DomainTensors: the
+1e-10), with the model as it is and wrapped in DomainParallel (whose deferred
+gradient reduction must also see the gradients of blocks recomputed in backward). Before the fix the reentrant form cut the graph on DomainTensors: the
 forward was right, every gradient upstream of a checkpointed block was None.
 """
 from __future__ import annotations
@@ -53,12 +54,15 @@ def _grid_and_shard():
     return dp.ProcessGrid((SIZE,)), {2: 0}
 
 
+@pytest.mark.parametrize("wrapped", [False, True], ids=["plain", "DomainParallel"])
 @pytest.mark.parametrize("reentrant", [True, False], ids=["reentrant", "non-reentrant"])
-def test_checkpointed_unet_matches_one_process(reentrant):
+def test_checkpointed_unet_matches_one_process(reentrant, wrapped):
     grid, shard = _grid_and_shard()
     x = torch.randn((1, 2, N, N, N), generator=torch.Generator().manual_seed(3),
                     dtype=torch.float64)
-    errors = assert_matches_single_process(_checkpointed_unet(reentrant), x, grid, shard)
+    wrap = (lambda m: dp.DomainParallel(m, grid)) if wrapped else None
+    errors = assert_matches_single_process(_checkpointed_unet(reentrant), x, grid, shard,
+                                           wrap=wrap)
     # The gradients were checked, not skipped: the input's and the first block's exist.
     assert "input 0 gradient" in errors
     assert "gradient of enter.inner.conv.weight" in errors

@@ -33,7 +33,6 @@ from domainpar.testing import assert_matches_single_process
 COMM = MPI.COMM_WORLD
 SIZE, RANK = COMM.Get_size(), COMM.Get_rank()
 ROOT = Path(__file__).resolve().parent.parent
-mpi = [pytest.mark.mpi, pytest.mark.timeout(60)]
 
 
 def raises_on_every_rank(error, match, fn):
