@@ -2,6 +2,7 @@
 
     python tests/io_worker.py memory DIR RESULT
     python tests/io_worker.py killed-save DIR
+    python tests/io_worker.py save-loop DIR
 """
 from __future__ import annotations
 
@@ -102,5 +103,34 @@ def killed_save(directory: str) -> None:
     dp.io.save_checkpoint(path, model, tensors={"u": 2 * u, "v": u}, extra={"name": "B"})
 
 
+def save_loop(directory: str) -> None:
+    """Save checkpoints into DIR/ckpt.h5 until killed: step k (one past the step
+    already there) has model weight k, bias -k, tensor u = k * arange and, on odd
+    steps, a second tensor v = k (so the set of part files changes too). Prints
+    ``SAVED k`` after the first save."""
+    path = os.path.join(directory, "ckpt.h5")
+    grid = dp.ProcessGrid((SIZE,))
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 2).double()
+    step, told = 0, False
+    if os.path.exists(path):
+        step = dp.io.load_checkpoint(path, grid=grid).extra["step"]
+    base = dp.scatter(torch.arange(24.0 * SIZE, dtype=torch.float64).reshape(1, 2, -1),
+                      grid, {2: 0})
+    while True:
+        step += 1
+        with torch.no_grad():
+            model.weight.fill_(step)
+            model.bias.fill_(-step)
+        tensors = {"u": step * base}
+        if step % 2:
+            tensors["v"] = 0 * base + step
+        dp.io.save_checkpoint(path, model, tensors=tensors, extra={"step": step})
+        if RANK == 0 and not told:
+            print(f"SAVED {step}", flush=True)
+            told = True
+
+
 if __name__ == "__main__":
-    {"memory": memory, "killed-save": killed_save}[sys.argv[1]](*sys.argv[2:])
+    {"memory": memory, "killed-save": killed_save, "save-loop": save_loop}[sys.argv[1]](
+        *sys.argv[2:])

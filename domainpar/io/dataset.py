@@ -98,7 +98,8 @@ class ShardedDataset:
             seed = int(np.random.SeedSequence().entropy % (1 << 63))
             seed = self.comm.bcast(seed, root=0)
         self.shuffle, self.seed, self.epoch = shuffle, seed, 0
-        self._file = files.open_file(self.path, "r", self.comm, self.mpio)
+        self._file = files.open_file(self.path, "r", self.comm, self.mpio,
+                                     [p for info in infos for p in info.parts])
         try:
             self.sources = [_Source(self._file, self.path, name, info, grid, shard, sizes,
                                     halo if k == 0 else None, periodic, fill)

@@ -25,6 +25,7 @@ import torch
 from h5py import h5fd, h5p, h5s
 from mpi4py import MPI
 
+from . import guard
 from .errors import DataError, agree, bcast_outcome
 
 ENV = "DOMAINPAR_IO"
@@ -144,6 +145,7 @@ class Info:
     virtual: bool
     chunks: tuple[int, ...] | None
     compression: str | None
+    parts: tuple[str, ...] = ()  # a virtual dataset's part files
 
 
 def _names(group) -> str:
@@ -163,28 +165,14 @@ def _open_serial(path: str) -> h5py.File:
                         f"{exc}") from None
 
 
-def _check_sources(path: str, dset: h5py.Dataset) -> None:
-    """The part files of a virtual dataset exist and hold their pieces (HDF5 would
-    read a missing source as fill values, silently)."""
-    here = os.path.dirname(os.path.abspath(path))
-    for source in dset.virtual_sources():
-        name = source.file_name
-        full = name if os.path.isabs(name) else os.path.join(here, name)
-        with _open_serial(full) as part:
-            if source.dset_name not in part:
-                raise DataError(f"{path}: dataset {dset.name!r} is virtual, and its part "
-                                f"{full} has no dataset {source.dset_name!r}")
-
-
 def _info(path: str, name: str, must_exist: bool) -> Info | None:
     with _open_serial(path) as f:
         if name not in f:
             if not must_exist:
                 return None
             raise DataError(f"{path} has no dataset {name!r} (it holds: {_names(f)})")
+        parts = guard.check_dataset(path, f, name)
         dset = f[name]
-        if not isinstance(dset, h5py.Dataset):
-            raise DataError(f"{path}: {name!r} is a group, not a dataset")
         order = dset.attrs.get(ORDER_ATTR, "C")
         order = order.decode() if isinstance(order, bytes) else str(order)
         if order not in ("C", "F"):
@@ -193,16 +181,15 @@ def _info(path: str, name: str, must_exist: bool) -> Info | None:
             dtype = loaded_dtype(dset.dtype, dset.attrs)
         except DataError as exc:
             raise DataError(f"{path}: dataset {name!r}: {exc}") from None
-        if dset.is_virtual:
-            _check_sources(path, dset)
         return Info(tuple(dset.shape), dtype, order, bool(dset.is_virtual),
-                    dset.chunks, dset.compression)
+                    dset.chunks, dset.compression, tuple(parts))
 
 
 def inspect(comm: MPI.Comm, path: str, name: str) -> Info:
     """Collective. Rank 0 opens ``path`` serially and looks at dataset ``name``;
     every rank gets its Info, or the same DataError (no such file, not HDF5 or
-    truncated, no such dataset, a dtype torch cannot hold, a missing part)."""
+    truncated, no such dataset, a dtype torch cannot hold, a missing part, data
+    kept outside the file: see ``guard``)."""
     return bcast_outcome(comm, lambda: _info(str(path), name, True))
 
 
@@ -218,9 +205,13 @@ def inspect_target(comm: MPI.Comm, path: str, name: str) -> tuple[bool, Info | N
 
 
 # -- opening and transfers ------------------------------------------------------------------
-def open_file(path: str, how: str, comm: MPI.Comm, mpio: bool) -> h5py.File:
+def open_file(path: str, how: str, comm: MPI.Comm, mpio: bool,
+              parts: Sequence[str] = ()) -> h5py.File:
     """Collective. ``h5py.File(path, how)`` on every rank, with the mpio driver on
-    ``comm`` or serial h5py; a DataError on every rank if any rank cannot open it."""
+    ``comm`` or serial h5py; a DataError on every rank if any rank cannot open it,
+    or sees the file (or its ``parts``) where another does not (``guard.visible``,
+    before the open: a collective open of a file some ranks lack never returns)."""
+    guard.visible(comm, path, how, parts)
     handle, problem = None, None
     try:
         handle = (h5py.File(path, how, driver="mpio", comm=comm) if mpio

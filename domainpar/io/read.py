@@ -136,7 +136,7 @@ def read(path, dataset: str, grid: ProcessGrid, shard: Mapping[int, int] | None 
     plan = blocks.plan(dec, blocks.widths(halo, dec), blocks.periodic_dims(dec, periodic))
     mpio = mpio and not info.virtual
     padded, problem = None, None
-    with files.open_file(str(path), "r", comm, mpio) as f:
+    with files.open_file(str(path), "r", comm, mpio, info.parts) as f:
         try:
             padded = read_plan(f[dataset], info.dtype, plan, base, is_fortran, fill,
                                collective and mpio)

@@ -20,7 +20,7 @@ import torch
 
 from ..comm.errors import agree as agree_args, signature_of
 from ..tensor.domain_tensor import DomainTensor
-from . import files
+from . import files, guard
 from .errors import DataError, agree
 
 CHUNK_BYTES = 4 << 20  # chunks up to 4 MiB: HDF5 reads and filters whole chunks
@@ -115,6 +115,7 @@ def write(path, dataset: str, x: DomainTensor, *, overwrite: bool = False,
     is_fortran = order == "F"
     np_dtype, dtype_attrs = files.stored_dtype(x.dtype)
     filters = _filter_options(compression, compression_opts, mpio)
+    guard.visible(comm, path, "a")  # every rank sees the file (or its directory) alike
     exists, found = files.inspect_target(comm, path, dataset)
     agree(comm, _existing_problem(path, dataset, found, x, is_fortran, overwrite))
     all_attrs = {**dtype_attrs, **({files.ORDER_ATTR: "F"} if is_fortran else {}), **(attrs or {})}
@@ -167,6 +168,17 @@ def _write_mpio(path, dataset, x, is_fortran, np_dtype, found, filters, chunks, 
     agree(comm, problem)
 
 
+def _pieces(dec, rev) -> list[tuple[int, tuple, tuple]]:
+    """``(rank, shape, offsets)`` of each written part, in file dim order."""
+    pieces = []
+    for r in range(dec.grid.comm.Get_size()):
+        shape, coords = dec.local_shape(r), dec.grid.coords_of(r)
+        if 0 in shape or any(coords[a] for a in dec.replicated_axes):
+            continue
+        pieces.append((r, rev(shape), rev(dec.offsets(r))))
+    return pieces
+
+
 def _write_serial(path, dataset, x, is_fortran, np_dtype, exists, filters, chunks, attrs):
     comm, dec = x._dec.grid.comm, x._dec
     rev = (lambda t: tuple(t)[::-1]) if is_fortran else tuple
@@ -190,12 +202,14 @@ def _write_serial(path, dataset, x, is_fortran, np_dtype, exists, filters, chunk
             problem = f"writing the part file {part_path(path, comm.Get_rank())}: {exc}"
     agree(comm, problem)
     # Where every rank's piece lies, known to all without a message.
-    pieces = []
-    for r in range(comm.Get_size()):
-        shape, coords = dec.local_shape(r), dec.grid.coords_of(r)
-        if 0 in shape or any(coords[a] for a in dec.replicated_axes):
-            continue
-        pieces.append((r, rev(shape), rev(dec.offsets(r))))
+    pieces = _pieces(dec, rev)
+    if comm.Get_rank() == 0:  # a part written where rank 0 cannot see it: not shared
+        lost = [part_path(path, r) for r, _, _ in pieces if not os.path.isfile(part_path(path, r))]
+        if lost:
+            problem = (f"{path}: rank 0 cannot see the part files {', '.join(lost)} that the "
+                       f"other ranks wrote (is the directory on a filesystem not every rank "
+                       f"shares?)")
+    agree(comm, problem)
     if comm.Get_rank() == 0:
         try:
             layout = h5py.VirtualLayout(shape=rev(dec.global_shape), dtype=np_dtype)
