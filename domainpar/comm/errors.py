@@ -8,6 +8,8 @@ same error naming the ranks concerned.
 """
 from __future__ import annotations
 
+import os
+import time
 import zlib
 
 import numpy as np
@@ -54,3 +56,24 @@ def agree(comm: MPI.Comm, problem: str | None, *, signature: int = 0,
         raise LayoutError("; ".join(problems))
     values = "; ".join(f"rank {r}: {d}" for r, (_, d) in enumerate(stories))
     raise MismatchError(f"{what} differ between ranks ({values})")
+
+
+def fault_timeout() -> float:
+    """Local. Seconds a rank that failed waits for peers that may never come, being
+    blocked in communication it will not join (``DOMAINPAR_FAULT_TIMEOUT``,
+    default 60; 0 waits forever)."""
+    try:
+        return float(os.environ.get("DOMAINPAR_FAULT_TIMEOUT", "60"))
+    except ValueError:
+        return 60.0
+
+
+def completes_within(request: MPI.Request, limit: float) -> bool:
+    """Local. Whether the nonblocking ``request`` completed within ``limit``
+    seconds (0: waits as long as it takes)."""
+    start = time.monotonic()
+    while not request.Test():
+        if limit > 0 and time.monotonic() - start > limit:
+            return False
+        time.sleep(0.001)
+    return True

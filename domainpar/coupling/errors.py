@@ -7,15 +7,21 @@ A simulation cannot catch a Python exception, and one rank returning an error
 while its peers go on into the next collective would hang the job, so every
 call ends in ``agree``: one small allreduce when all went well; otherwise every
 rank learns every rank's story and all return the same code and message.
+
+Where the others cannot be told (a rank failed while its peers wait in the
+model's own communication), the failing rank waits DOMAINPAR_FAULT_TIMEOUT
+seconds (default 60) for them, then prints its error and aborts the job
+(``wait_or_abort``): a clean end instead of a hang.
 """
 from __future__ import annotations
 
+import sys
 import traceback
 
 import numpy as np
 from mpi4py import MPI
 
-from ..comm.errors import DomainparError
+from ..comm.errors import DomainparError, completes_within, fault_timeout, signature_of
 
 OK = 0
 ARGUMENT = 1   # a bad argument: null pointer, unknown dtype/order/handle, arguments differing between ranks
@@ -52,28 +58,66 @@ def describe(exc: BaseException) -> str:
     return text
 
 
-def agree(comm: MPI.Comm | None, problem: tuple[int, str] | None) -> None:
+def wait_or_abort(request: MPI.Request, comm: MPI.Comm, problem: tuple[int, str]) -> None:
+    """Local. Wait for ``request`` (this rank's share of an agreement) for at most
+    ``fault_timeout()`` seconds; past it, the peers are taken to be blocked in
+    communication this rank will never join (a model that raised here before
+    its first message, say), where no rank can be told: print the problem and
+    abort the job, the one clean end left."""
+    limit = fault_timeout()
+    if not completes_within(request, limit):
+        sys.stderr.write(
+            f"domainpar: rank {comm.Get_rank()}: {problem[1]}\ndomainpar: the other ranks "
+            f"did not reach the same point within {limit:g} s (DOMAINPAR_FAULT_TIMEOUT): "
+            f"they are blocked in communication this rank cannot join, so they cannot be "
+            f"told; aborting the job\n")
+        sys.stderr.flush()
+        comm.Abort(problem[0] or 1)
+
+
+def agree(comm: MPI.Comm | None, problem: tuple[int, str] | None, *, signature: int = 0,
+          described: str = "", timeout: bool = True) -> None:
     """Collective over ``comm`` (local when None). Raise the same CouplingError on
-    every rank if any rank has a ``problem`` (code, message).
+    every rank if any rank has a ``problem`` (code, message), or if the
+    ``signature`` (``signature_of``) of what must be equal differs between ranks
+    (ARGUMENT, each rank's ``described`` named).
 
     The code is that of the lowest failing rank; the message names the failing
-    ranks, or says "every rank" once when all failed alike.
+    ranks, or says "every rank" once when all failed alike. The flag travels by a
+    nonblocking allreduce (every agreement matches every other, whichever call
+    a rank is in); a rank with a problem waits for the others at most
+    ``fault_timeout()`` seconds, then aborts the job (``wait_or_abort``) unless
+    ``timeout`` is False.
     """
     alone = comm is None or comm.Get_size() == 1
     if alone and problem is None:
         return
     if not alone:
-        flag = np.array([problem is not None], dtype=np.int32)
-        comm.Allreduce(MPI.IN_PLACE, flag, op=MPI.MAX)
-        if not flag[0]:
+        flags = np.array([problem is not None, signature, -signature], dtype=np.int64)
+        request = comm.Iallreduce(MPI.IN_PLACE, flags, op=MPI.MAX)
+        if problem is not None and timeout:
+            wait_or_abort(request, comm, problem)
+        request.Wait()
+        if not flags[0] and flags[1] == -flags[2]:
             return
     # One process words it like many: "every rank: ...", so messages read alike.
-    stories = [problem] if alone else comm.allgather(problem)
-    failing = [(r, p) for r, p in enumerate(stories) if p is not None]
+    stories = [(problem, described)] if alone else comm.allgather((problem, described))
+    failing = [(r, p) for r, (p, _) in enumerate(stories) if p is not None]
+    if not failing:
+        listed = "; ".join(f"rank {r}: {d}" for r, (_, d) in enumerate(stories))
+        raise CouplingError(ARGUMENT, f"arguments differ between ranks ({listed})")
     code = failing[0][1][0]
     if len(failing) == len(stories) and len({p for _, p in failing}) == 1:
         raise CouplingError(code, f"every rank: {failing[0][1][1]}")
     raise CouplingError(code, "; ".join(f"rank {r}: {msg}" for r, (_, msg) in failing))
+
+
+def agree_equal(comm: MPI.Comm, values, what: str) -> None:
+    """Collective. ARGUMENT on every rank if ``values`` differ between ranks."""
+    try:
+        agree(comm, None, signature=signature_of(values), described=repr(values))
+    except CouplingError as exc:
+        raise CouplingError(ARGUMENT, f"{what} {exc}") from None
 
 
 class Stage:
@@ -95,7 +139,10 @@ class Stage:
         except CouplingError as exc:
             self.problem = (exc.code, str(exc))
         except Exception as exc:  # noqa: BLE001 - any failure becomes an error code
-            self.problem = (default, describe(exc))
+            # An error saying only "another rank failed" (DomainParallel's
+            # PeerForwardError) is no story of this rank: that rank tells its own.
+            if not getattr(exc, "elsewhere", False):
+                self.problem = (default, describe(exc))
         return None
 
     def fail(self, code: int, message: str) -> None:

@@ -26,7 +26,6 @@ import torch
 
 from .. import ops  # noqa: F401  (registers the op rules DomainTensors run on)
 from ..comm.decomposition import Decomposition
-from ..comm.errors import signature_of
 from ..comm.grid import ProcessGrid
 from ..comm.halo import HaloExchange
 from . import errors, memory
@@ -57,7 +56,8 @@ class Field:
         # ranks with different ghost widths, cannot describe one field.
         same = (self.dtype.str, self.order, self.location, len(self.shape), self.lo, self.hi,
                 self.axes)
-        _agree_equal(grid, same, "field descriptions (dtype, order, location, rank, ghosts, axes)")
+        errors.agree_equal(grid.comm, same,
+                           "field descriptions (dtype, order, location, rank, ghosts, axes)")
         stage.run(SHAPE, self._wrap, address)
         stage.agree()
         stage.run(SHAPE, self._check_offsets, offsets)
@@ -211,11 +211,3 @@ class Field:
     def _storage_widths(self) -> dict[int, tuple[int, int]]:
         return {self._storage_dim(d): (self.lo[d], self.hi[d]) for d in range(len(self.shape))}
 
-
-def _agree_equal(grid: ProcessGrid, values, what: str) -> None:
-    """Collective. ARGUMENT on every rank if ``values`` differ between ranks."""
-    from ..comm.errors import MismatchError, agree
-    try:
-        agree(grid.comm, None, signature=signature_of(values), what=what, described=values)
-    except MismatchError as exc:
-        raise CouplingError(ARGUMENT, str(exc)) from None

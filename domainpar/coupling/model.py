@@ -35,7 +35,8 @@ import torch
 import torch.nn.functional as F
 
 from ..comm.grid import ProcessGrid
-from .errors import ARGUMENT, IMPORT, IO, MODEL, CouplingError, Stage, describe
+from .errors import (ARGUMENT, IMPORT, IO, MODEL, STATE, CouplingError, Stage, agree_equal,
+                     describe)
 from .scripted import Blockwise
 
 OPTIMIZERS = {"sgd": torch.optim.SGD, "adam": torch.optim.Adam, "adamw": torch.optim.AdamW,
@@ -127,6 +128,10 @@ class Model:
         self.grid = grid
         stage.run(ARGUMENT, self._options, kwargs_json, options_json)
         stage.agree()
+        # Different options or keyword arguments would make replicas diverge silently.
+        agree_equal(grid.comm, json.dumps([self.kwargs, self.options], sort_keys=True,
+                                          default=str),
+                    "the model's keyword arguments and options")
         factory = stage.run(IMPORT, resolve, entry)
         stage.agree()
         module = stage.run(MODEL, self._build, factory)
@@ -138,6 +143,7 @@ class Model:
         self.optimizer = stage.run(ARGUMENT, self._optimizer)
         stage.agree()
         self.steps = 0
+        self.broken: str | None = None
         return self
 
     def _options(self, kwargs_json, options_json):
@@ -195,9 +201,15 @@ class Model:
                                               f"model of {param.dtype} on {param.device} "
                                               f"(the option \"dtype\" converts the model)")
 
+    def _check_usable(self) -> None:
+        """Local (the flag is set on every rank alike)."""
+        if self.broken:
+            raise CouplingError(STATE, self.broken)
+
     def infer(self, x, out_field) -> None:
         """Collective. ``out_field`` <- model(x), in eval mode without autograd."""
         stage = Stage(self.grid.comm)
+        stage.run(ARGUMENT, self._check_usable)
         stage.run(ARGUMENT, self._check_input, x)
         stage.agree()
 
@@ -212,8 +224,16 @@ class Model:
 
     def train_step(self, x, target) -> float:
         """Collective. One optimizer step on loss(model(x), target); returns the
-        loss before the step (replicated, the same on every rank)."""
+        loss before the step (replicated, the same on every rank).
+
+        The step is taken only once every rank's backward (and so the gradient
+        reduction) completed: a failure before it leaves the parameters as they
+        were on every rank (DomainParallel renews its reducer at the next
+        forward). An optimizer step that failed on any rank may have changed
+        some parameters: the model then refuses every call until
+        dp_model_restore, rather than run on replicas that may differ."""
         stage = Stage(self.grid.comm)
+        stage.run(ARGUMENT, self._check_usable)
         if self.optimizer is None:
             stage.fail(ARGUMENT, "this model was loaded without an optimizer (option "
                                  "\"optimizer\"): it can only infer")
@@ -229,16 +249,25 @@ class Model:
         y = stage.run(MODEL, forward)
         stage.agree()
 
-        def step():
+        def backward():
             loss = self.loss_fn(y, target)
             loss.backward()
-            self.optimizer.step()
             return float(loss.detach())
-        loss = stage.run(MODEL, step)
-        stage.agree()
+        loss = stage.run(MODEL, backward)
+        try:
+            stage.agree()
+        except CouplingError:
+            self.optimizer.zero_grad(set_to_none=True)
+            raise
+        stage.run(MODEL, self.optimizer.step)
+        try:
+            stage.agree()
+        except CouplingError as exc:
+            self.broken = (f"the model's optimizer step failed ({exc}), so its replicas may "
+                           f"differ between ranks: dp_model_restore a checkpoint first")
+            raise
         self.steps += 1
         return loss
-
     # -- checkpoints --------------------------------------------------------------------
     def save(self, path: str) -> None:
         """Collective. Rank 0 writes parameters, buffers, optimizer state and the step
@@ -266,6 +295,7 @@ class Model:
         state = self.grid.comm.bcast(state, root=0)
 
         def apply():
+            self.broken = None
             self.inner.load_state_dict(state["model"])
             if self.optimizer is not None and state.get("optimizer") is not None:
                 self.optimizer.load_state_dict(state["optimizer"])

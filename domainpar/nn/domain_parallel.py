@@ -23,7 +23,10 @@ Agreement, so that ranks whose graphs differ never hang or diverge:
   before anything is broadcast: a model built differently on some rank is a
   MismatchError on every rank;
 - at the end of every forward one allreduce agrees which parameters were used
-  (and over which communicator). The buckets are then a deterministic plan over
+  (and over which communicator), and whether the module raised on some rank (the
+  others then raise PeerForwardError; the failing rank waits for them at most
+  DOMAINPAR_FAULT_TIMEOUT seconds, since they may be blocked in communication
+  it left, then raises its own error). The buckets are then a deterministic plan over
   the *union* of the parameters used on any rank, started strictly in plan
   order, so every rank issues the same reductions in the same order whatever
   its own graph. A parameter that a rank did not use (a boundary term only the
@@ -51,7 +54,8 @@ from torch.utils._pytree import tree_leaves
 
 from ..autograd._arrays import to_array
 from ..comm import collectives
-from ..comm.errors import DomainparError, MismatchError, agree, signature_of
+from ..comm.errors import (DomainparError, MismatchError, agree, completes_within,
+                           fault_timeout, signature_of)
 from ..comm.grid import ProcessGrid
 from ..tensor import params as domain_params
 from ..tensor.dispatch import UnsupportedOpError
@@ -101,10 +105,21 @@ class DomainParallel(torch.nn.Module):
         token = domain_params.set_deferrer(self._reducer.deferral)
         try:
             out = self.module(*args, **kwargs)
+        except Exception:
+            # Tell the peers (or, if they never come, blocked in communication this
+            # rank left, give up waiting), then raise here as before.
+            self._reducer.agree_uses(failed=True)
+            raise
         finally:
             domain_params.reset_deferrer(token)
         self._reducer.agree_uses()
         return self._reducer.watch(out)
+
+
+class PeerForwardError(DomainparError):
+    """Raised by DomainParallel's forward on the ranks whose own forward succeeded
+    when the module raised on another rank (which raises its own error)."""
+    elsewhere = True  # for callers that report every rank's own error only
 
 
 def _agree_structure(module: torch.nn.Module, comm: MPI.Comm) -> None:
@@ -197,21 +212,34 @@ class _Reducer:
         self._uses[i] = self._uses.get(i, 0) + 1
         return lambda grad: self._arrive(i, grad)
 
-    def agree_uses(self) -> None:
-        """Collective (one allreduce over the grid). Agree on the parameters used in
-        forward on any rank and their communicators, then plan the buckets."""
+    def agree_uses(self, failed: bool = False) -> None:
+        """Collective (one nonblocking allreduce over the grid). Agree on the
+        parameters used in forward on any rank and their communicators, then plan
+        the buckets. ``failed``: this rank's forward raised; the others then raise
+        PeerForwardError, and this rank waits for them at most ``fault_timeout()``
+        seconds (they may be blocked in communication it left)."""
         n = len(self._params)
         v = np.zeros(n, dtype=np.int64)
         for i, c in self._comm_of.items():
             v[i] = c + 1 if self._uses.get(i) else 0
         ncomms = len(self._op_comms)
         flags = np.concatenate([v, -np.where(v > 0, v, _UNUSED), -v,
-                                [ncomms, -ncomms, int(self._stale)]]).astype(np.int64)
+                                [ncomms, -ncomms, int(self._stale), int(failed)]]).astype(np.int64)
         if self._comm.Get_size() > 1:
-            self._comm.Allreduce(MPI.IN_PLACE, flags, op=MPI.MAX)
+            request = self._comm.Iallreduce(MPI.IN_PLACE, flags, op=MPI.MAX)
+            if not completes_within(request, fault_timeout() if failed else 0):
+                self._abandoned.append((request, flags))
+                self._clear()
+                return
         vmax, vmin_used, vmin = flags[:n], -flags[n:2 * n], -flags[2 * n:3 * n]
         if flags[3 * n + 2]:  # some rank's backward broke off: fresh communicators
             self._dups, self._stale = [], False
+        if flags[3 * n + 3]:
+            self._clear()
+            if failed:
+                return
+            raise PeerForwardError("DomainParallel: the module's forward raised on another "
+                                   "rank (that rank raises its own error)")
         differ = [self._names[i] for i in range(n) if 0 < vmax[i] != vmin_used[i]]
         if flags[3 * n] != -flags[3 * n + 1] or differ:
             self._clear()

@@ -26,6 +26,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #include "domainpar.h"
 
@@ -205,6 +206,64 @@ static int forward(const char *name, int *int_out, double *double_out, const cha
   return rc;
 }
 
+/* Seconds a rank waits for its peers where one may never come
+ * (DOMAINPAR_FAULT_TIMEOUT, default 60; 0 waits forever). */
+static double fault_timeout(void) {
+  const char *t = getenv("DOMAINPAR_FAULT_TIMEOUT");
+  return (t && *t) ? atof(t) : 60.0;
+}
+
+/* Collective over comm, with a deadline: *dup becomes a duplicate of comm once
+ * every rank of comm has called. A rank that passed MPI_COMM_NULL or another
+ * communicator, or never calls, cannot be told; the others return
+ * DP_ERR_ARGUMENT after fault_timeout() seconds instead of waiting forever. */
+static int join(MPI_Comm comm, MPI_Comm *dup) {
+  MPI_Request request;
+  if (comm == MPI_COMM_NULL)
+    return set_error(DP_ERR_ARGUMENT, "dp_init: the communicator is MPI_COMM_NULL on this rank; "
+                     "the other ranks cannot be told (they return DP_ERR_ARGUMENT after "
+                     "DOMAINPAR_FAULT_TIMEOUT seconds): abort the job");
+  MPI_Comm_idup(comm, dup, &request);
+  double limit = fault_timeout(), start = MPI_Wtime();
+  int done = 0;
+  for (;;) {
+    MPI_Test(&request, &done, MPI_STATUS_IGNORE);
+    if (done) return DP_OK;
+    if (limit > 0 && MPI_Wtime() - start > limit) break;
+    struct timespec pause = {0, 1000000};
+    nanosleep(&pause, NULL);
+  }
+  *dup = MPI_COMM_NULL;
+  return set_error(DP_ERR_ARGUMENT, "dp_init: not every rank of the communicator called dp_init "
+                   "with it within %g s (DOMAINPAR_FAULT_TIMEOUT): a rank passed MPI_COMM_NULL "
+                   "or another communicator, or did not call dp_init. The communicator may be "
+                   "unusable now: abort the job", limit);
+}
+
+/* Collective over comm. Every rank learns whether the embedded Python started on
+ * every rank; if not, all return DP_ERR_PYTHON naming each failing rank's reason. */
+static int agree_start(MPI_Comm comm, int rc) {
+  enum { LEN = 1024 };
+  int failed = rc != DP_OK, any = 0, size = 1;
+  MPI_Allreduce(&failed, &any, 1, MPI_INT, MPI_MAX, comm);
+  if (!any) return DP_OK;
+  MPI_Comm_size(comm, &size);
+  char mine[LEN] = "", *all = calloc((size_t)size, LEN);
+  const char *why = strncmp(last_error, "dp_init: ", 9) ? last_error : last_error + 9;
+  if (failed) snprintf(mine, LEN, "%s", why);
+  if (!all) return set_error(DP_ERR_PYTHON, "dp_init: the embedded Python did not start on "
+                             "every rank (out of memory for the details)");
+  MPI_Allgather(mine, LEN, MPI_CHAR, all, LEN, MPI_CHAR, comm);
+  char text[sizeof last_error] = "";
+  size_t used = 0;
+  for (int r = 0; r < size && used < sizeof text; r++)
+    if (all[(size_t)r * LEN])
+      used += (size_t)snprintf(text + used, sizeof text - used, "%srank %d: %.*s",
+                               used ? "; " : "", r, LEN, all + (size_t)r * LEN);
+  free(all);
+  return set_error(DP_ERR_PYTHON, "dp_init: %s", text);
+}
+
 int dp_init_f(MPI_Fint comm, int ndims, const int *dims, const int *periods) {
   int mpi_up = 0, mpi_down = 0;
   MPI_Initialized(&mpi_up);
@@ -215,17 +274,24 @@ int dp_init_f(MPI_Fint comm, int ndims, const int *dims, const int *periods) {
   if (state == FINALIZED)
     return set_error(DP_ERR_STATE, "dp_init: domainpar is finalized; it cannot start again in "
                      "this process");
+  MPI_Comm dup = MPI_COMM_NULL;
+  int rc = join(MPI_Comm_f2c(comm), &dup);
+  if (rc != DP_OK) return rc;
   if (state == NOT_STARTED) {
-    int rc = start_python();
-    if (rc != DP_OK) return rc;
-    state = RUNNING;
+    rc = start_python();
+    if (rc == DP_OK) state = RUNNING;
   }
-  PyGILState_STATE gil = PyGILState_Ensure();
-  int given = ndims > 0 && dims;
-  PyObject *args = Py_BuildValue("(lNN)", (long)comm, given ? ints(dims, ndims) : ints(NULL, 0),
-                                 given && periods ? ints(periods, ndims) : ints(NULL, 0));
-  int rc = call("init", args, NULL, NULL);
-  PyGILState_Release(gil);
+  rc = agree_start(dup, rc);
+  if (rc == DP_OK) {
+    PyGILState_STATE gil = PyGILState_Ensure();
+    int given = ndims > 0 && dims;
+    PyObject *args = Py_BuildValue("(lNN)", (long)MPI_Comm_c2f(dup),
+                                   given ? ints(dims, ndims) : ints(NULL, 0),
+                                   given && periods ? ints(periods, ndims) : ints(NULL, 0));
+    rc = call("init", args, NULL, NULL);
+    PyGILState_Release(gil);
+  }
+  MPI_Comm_free(&dup);  /* domainpar's grid holds its own duplicate */
   return rc;
 }
 
