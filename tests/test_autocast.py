@@ -5,17 +5,21 @@ family on DomainTensors, against one process under the same autocast
 For each model the outputs' dtypes must equal one process's, and every output,
 input gradient and parameter gradient must be as close to the float64 truth as
 one process's under autocast is, judged the way one process is judged: with
-e_s the sharded error and e_1 one process's, both against float64 and both
-relative to the truth's largest magnitude s,
+e_s and e_1 the largest absolute errors of the sharded run and of one process
+against float64, and s the float64 truth's largest magnitude,
 
     e_s <= C * e_1 + K * eps * s,     eps = 2**-8 (bfloat16's machine epsilon).
 
 The sharded run sums in other orders and rounds blocks where one process rounds
-the whole, so it need not reproduce one process's bits; C = 4 and K = 16 leave
-room for that on any CPU (a lucky one-process rounding is covered by the K
-term), while a wrong answer (a missing halo, a block-local op) is off by a good
-part of s. test_autocast_oracle_can_fail shows the rule catching a block-local
-model."""
+the whole, so it need not reproduce one process's bits. A gradient that is zero
+in float64 (a conv bias before a norm) is, in bf16, rounding noise of the terms
+that cancel in it: its s is 4x the largest gradient's. Measured (UNet, 2
+ranks, 9 layouts): e_s reaches 17 eps s on a signal quantity and 43 eps x the
+largest gradient on a noise one; so C = 4 and K = 32 hold with room when one
+process's own error happens to be small (the K term alone covers e_s), on any
+CPU. A wrong answer is off by a large part of s: a block-local conv is off by
+156 eps s in its output (212 e_1); test_autocast_oracle_can_fail checks that the
+rule catches it."""
 import copy
 
 import pytest
@@ -33,7 +37,7 @@ pytestmark = pytest.mark.mpi
 COMM = MPI.COMM_WORLD
 LOW = torch.bfloat16
 EPS = 2.0 ** -8
-C, K = 4.0, 16.0
+C, K = 4.0, 32.0
 
 
 def _full(v):
@@ -85,6 +89,11 @@ def compare_under_autocast(model: nn.Module, x: torch.Tensor, grid, shard, sizes
                  enumerate(zip(sharded[0], one[0], truth[0]))]
         pairs.append(("input gradient", sharded[1], one[1], truth[1]))
         pairs += [(f"gradient of {n}", sharded[2][n], one[2][n], truth[2][n]) for n in truth[2]]
+        # A gradient that is zero in float64 (a conv bias before a norm) is, in bf16,
+        # rounding noise of the terms that cancel in it: its scale is theirs (4x
+        # the largest gradient's), not its own ~1e-17.
+        top = max((_error(t, t)[1] for what, _, _, t in pairs
+                   if t is not None and "gradient" in what), default=0.0)
         for what, s, o, t in pairs:
             if (s is None) != (t is None):
                 problems.append(f"{what}: None on one side")
@@ -92,6 +101,8 @@ def compare_under_autocast(model: nn.Module, x: torch.Tensor, grid, shard, sizes
             if t is None:
                 continue
             (e_s, scale), (e_1, _) = _error(s, t), _error(o, t)
+            if what.startswith("gradient") and scale < 1e-6 * top:
+                scale = 4 * top
             report[what] = (e_s, e_1, scale)
             if not e_s <= C * e_1 + K * EPS * scale:
                 problems.append(f"{what}: sharded error {e_s:.3e} > {C:g} x one-process "
