@@ -12,7 +12,11 @@
 
 Driver: mpio when h5py has MPI, else serial; ``DOMAINPAR_IO=serial`` or
 ``set_mode('serial')`` forces the fallback. Errors: DataError (files) and
-LayoutError (shapes), raised on every rank alike.
+LayoutError (shapes), raised on every rank alike. Every rank checks the path
+itself before a file is opened (a file some ranks do not see, on a filesystem
+not every rank shares, is an error, not a hang); a dataset reads only its own
+file (and the serial fallback's part files): external storage, external links
+and other virtual sources are refused (``guard``).
 """
 from .checkpoint import Checkpoint, load_checkpoint, save_checkpoint
 from .dataset import ShardedDataset

@@ -14,7 +14,10 @@ Atomic: everything goes to ``<path>.tmp-<token>`` (and its part files
 synced and rank 0 renames the temporary file to ``path`` (``os.replace``), the
 one step that commits. A job killed before that leaves the previous checkpoint
 and the part files it refers to untouched; the temporary files it leaves are
-removed by the next successful save. Loading re-cuts every tensor for the grid
+removed by the next successful save, and a save that fails with an error removes
+its own. Before writing, the state is read back as ``load_checkpoint`` will
+(``torch.load(weights_only=True)``): what could not be (a numpy array, a Path)
+is refused, naming it. Loading re-cuts every tensor for the grid
 it is given (``read``), so a checkpoint saved on 4 ranks restarts on 1, 2, 3...
 """
 from __future__ import annotations
@@ -96,7 +99,9 @@ def _culprit(obj, where: str) -> str:
 
 def _type(obj) -> str:
     kind = type(obj)
-    return kind.__qualname__ if kind.__module__ == "builtins" else f"{kind.__module__}.{kind.__qualname__}"
+    if kind.__module__ == "builtins":
+        return kind.__qualname__
+    return f"{kind.__module__}.{kind.__qualname__}"
 
 
 def _state_blob(model, optimizer, extra) -> bytes:
