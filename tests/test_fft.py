@@ -4,7 +4,8 @@ their 1-D, 2-D and n-D forms), over a seeded sample of dims, n / s (padding,
 trimming, -1), norm modes, real and complex inputs, float64 and float32, x even,
 uneven and zero-size blocks on 1- and 2-D grids (the transform dims sharded, a
 batch x domain grid, or only other dims sharded). Also: the documented output
-layouts and round trips, a dot-product adjoint test, and the refusals."""
+layouts and round trips, a dot-product adjoint test, and the refusals. fftshift /
+ifftshift (rolls) along sharded and unsharded dims, by the same oracle."""
 import random
 
 import pytest
@@ -197,3 +198,61 @@ def test_out_is_refused():
     x = shard_like(spectrum((4, 6), torch.float64), grid, shard)
     raises_everywhere(lambda: torch.fft.fft(x, out=torch.empty(4, 6, dtype=torch.complex128)),
                       "torch.fft.fft", "out=")
+
+
+# -- fftshift / ifftshift -------------------------------------------------------------------------
+SHIFT_SHAPE = (2, 5, 9, 8)   # odd and even lengths: fftshift and ifftshift differ on odd ones
+SHIFT_SHARD = (2, 3, 1)      # the first grid-ndim of these dims are cut
+
+
+def shifts(t):
+    """Every form at once: dim None (all), a sharded dim, an unsharded one, a tuple, a
+    repeated dim, and round trips (which must give back their input)."""
+    fs, ifs = torch.fft.fftshift, torch.fft.ifftshift
+    parts = [fs(t), ifs(t), fs(t, dim=-1), ifs(t, 2), fs(t, dim=(1, 3)), ifs(t, dim=[3, 0]),
+             fs(t, (2, 2)), ifs(fs(t, dim=(2, 3)), dim=(2, 3)) * t.sin(), fs(ifs(t)) - t]
+    return torch.cat([p * (i + 1) for i, p in enumerate(parts)], dim=0)
+
+
+SHIFT_CASES = [(g, k, d) for g in (1, 2, 3) for k in KINDS for d in DTYPES]
+
+
+@pytest.mark.parametrize("grid_ndim,kind,dtype", SHIFT_CASES,
+                         ids=[f"grid{g}-{k}-{str(d)[6:]}" for g, k, d in SHIFT_CASES])
+def test_fftshift_matches_one_process(grid_ndim, kind, dtype):
+    """Output and input gradient, even / uneven / zero-size blocks (uneven on a
+    periodic grid), 1-, 2- and 3-D grids."""
+    grid, shard, sizes = layout(SHIFT_SHAPE, SHIFT_SHARD, grid_ndim, kind,
+                                periodic=kind == "uneven")
+    assert_matches_single_process(shifts, global_tensor(SHIFT_SHAPE, dtype), grid, shard,
+                                  sizes=sizes)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_fftshift_of_a_complex_spectrum(kind):
+    """The FNO's use: rfft2, fftshift along H (sharded), ifftshift back, irfft2."""
+    grid, shard, sizes = layout(SHIFT_SHAPE, SHIFT_SHARD, 1, kind)
+
+    def spectral(t):
+        y = torch.fft.fftshift(torch.fft.rfft2(t), dim=-2)
+        return torch.fft.irfft2(torch.fft.ifftshift(y * 2, dim=-2), s=SHIFT_SHAPE[2:])
+    assert_matches_single_process(spectral, global_tensor(SHIFT_SHAPE), grid, shard, sizes=sizes)
+    x = shard_like(spectrum(SHIFT_SHAPE, torch.float64), grid, shard, sizes)
+    assert_matches_single_process(real_view(lambda t: torch.fft.ifftshift(t, dim=(1, 2))),
+                                  spectrum(SHIFT_SHAPE, torch.float32), grid, shard, sizes=sizes)
+    assert torch.fft.fftshift(x).decomposition == x.decomposition
+    adjoint_test(lambda t: torch.fft.fftshift(t, dim=(2, 3)), x)
+
+
+def test_fftshift_of_a_zero_size_dim():
+    shape = (2, 0, 9, 4)
+    grid, shard, sizes = layout(shape, (2, 1), 2, "uneven")
+    assert_matches_single_process(lambda t: torch.fft.fftshift(t) + torch.fft.ifftshift(t, 1),
+                                  global_tensor(shape), grid, shard, sizes=sizes)
+
+
+def test_fftshift_checks_dims_as_torch_does():
+    grid, shard, _ = layout((4, 6), (0,), 1, "even")
+    x = shard_like(global_tensor((4, 6)), grid, shard)
+    with pytest.raises(IndexError):
+        torch.fft.fftshift(x, dim=2)

@@ -52,6 +52,13 @@ axis that went onto a dim the call does not transform (step 2's last choice)
 stays there: the inverse finds every dim it transforms local. A dim
 sharded on a grid axis of one rank counts as local and stays sharded.
 
+fftshift / ifftshift
+--------------------
+``torch.fft.fftshift`` and ``ifftshift`` are rolls by ``n // 2`` and
+``-(n // 2)`` along the given dims (every dim when ``dim`` is None): they go to
+the roll rule (``ops.index.roll``), local along unsharded dims and, along a
+sharded dim, two slices cat'ed back onto the input's layout.
+
 Refused (UnsupportedOpError on every rank)
 ------------------------------------------
 - a sharded transform dim whose grid axis no other dim can take (step 2): a
@@ -69,10 +76,10 @@ import torch
 from .. import autograd as ag
 from ..comm.decomposition import Decomposition
 from ..tensor import layout
-from ..tensor.dispatch import UnsupportedOpError, register
+from ..tensor.dispatch import UnsupportedOpError, op_name, register
 from ..tensor.domain_tensor import DomainTensor
-from . import window
-from .common import bind
+from . import index, window
+from .common import bind, normalize_dims
 
 
 @dataclasses.dataclass(frozen=True)
@@ -240,3 +247,23 @@ def fft(func, args, kwargs):
             local = window.placeholder(meta.shape, like, local)
         dec = phase.dst
     return DomainTensor(local, dec)
+
+
+# -- fftshift, ifftshift --------------------------------------------------------------------------
+@register(torch.fft.fftshift, torch.fft.ifftshift)
+def fftshift(func, args, kwargs):
+    """Local along unsharded dims; along a sharded dim a roll (repartitions, no gather).
+    fftshift rolls by n // 2, ifftshift by -(n // 2); dim (int, sequence or None: all)."""
+    a = bind(func, args, kwargs, ("input", "dim"))
+    x, dim = a["input"], a["dim"]
+    if not isinstance(x, DomainTensor):
+        raise UnsupportedOpError(f"{op_name(func)}: only the input may be a DomainTensor")
+    # torch's own argument checks (dims out of range ...) on the global shape
+    func(torch.empty(x.shape, dtype=x.dtype, device="meta"), dim)
+    dims = normalize_dims(dim, x.ndim) if dim is None or isinstance(dim, int) else \
+        [d % x.ndim for d in dim]
+    if x.ndim == 0 or not dims:
+        return DomainTensor(x._local.clone(), x._dec)
+    sign = 1 if func is torch.fft.fftshift else -1
+    shifts = [sign * (x.shape[d] // 2) for d in dims]
+    return index.roll(torch.roll, (x, shifts, list(dims)), {})
