@@ -45,7 +45,7 @@ PIP_INSTALL := $(PY) -m pip install -c constraints.txt
 APT_PACKAGES := openmpi-bin libopenmpi-dev gfortran libhdf5-openmpi-dev cmake slurm-wlm munge
 # Keep in sync with the `test` extra in pyproject.toml. Installed explicitly
 # because the package itself is installed with --no-deps (see the pkg stamp).
-TEST_REQUIREMENTS := pytest pytest-mpi pytest-timeout hypothesis
+TEST_REQUIREMENTS := pytest pytest-mpi pytest-timeout hypothesis opt-einsum tensorly einops
 # The `plots` extra in pyproject.toml: PNGs from `domainpar bench` and the demo.
 PLOT_REQUIREMENTS := matplotlib
 

@@ -11,7 +11,9 @@ __version__ = "0.1.0"
 
 # name -> submodule that defines it; importing ``ops`` registers the op rules.
 _TORCH_NAMES = {"DomainTensor": "tensor", "UnsupportedOpError": "tensor",
-                "allow_gather": "tensor", "scatter": "tensor", "DomainParallel": "nn"}
+                "allow_gather": "tensor", "scatter": "tensor", "DomainParallel": "nn",
+                # opt_einsum's backend protocol for arrays of this package (ops/interop.py)
+                "einsum": "ops.interop", "tensordot": "ops.interop", "transpose": "ops.interop"}
 # torch-level subpackages reachable as attributes (``dp.io``).
 _TORCH_MODULES = ("io",)
 

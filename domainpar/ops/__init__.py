@@ -7,3 +7,4 @@ from . import pool  # noqa: F401
 from . import dropout, norm  # noqa: F401
 from . import einsum, fft  # noqa: F401
 from . import attention  # noqa: F401
+from . import interop  # noqa: F401
