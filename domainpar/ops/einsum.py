@@ -24,10 +24,13 @@ Every label of the equation names one dim of the iteration space; a label is
   one is repartitioned onto the first one's axis and block sizes.
 
 Refused (UnsupportedOpError on every rank): two labels sharded over the same
-grid axis; a label repeated within one operand (a diagonal) and sharded; a
-sharded dim of size 1 that broadcasts against a larger one; a repartition that
-would replicate an operand along an axis it was sharded on (a gather).
-torch turns the sublist form into an equation before the rule sees the call.
+grid axis (among them free labels of two operands, as in attention scores
+``einsum("bxd,byd->bxy", q, k)`` with both sequences sharded); a label
+repeated within one operand (a diagonal) and sharded; a sharded dim of size 1
+that broadcasts against a larger one; a repartition that would replicate an
+operand along an axis it was sharded on (a gather). ``contract`` serves
+matmul and bmm of DomainTensors too (``ops.linear``). torch turns the
+sublist form into an equation before the rule sees the call.
 """
 from __future__ import annotations
 
@@ -63,8 +66,26 @@ def _explicit(equation: str, ndims) -> tuple[list[str], str]:
     return terms, out
 
 
-def _refuse(func, why: str) -> UnsupportedOpError:
-    return UnsupportedOpError(f"{op_name(func)}: {why}")
+def _refuse(func, equation: str, why: str) -> UnsupportedOpError:
+    """The refusal of ``func``: an einsum names itself; another product computed as an
+    einsum (matmul, bmm) also names the equation, whose labels the messages use."""
+    name = op_name(func) if func is torch.einsum else \
+        f"{op_name(func)} (computed as torch.einsum({equation!r}))"
+    return UnsupportedOpError(f"{name}: {why}")
+
+
+def _clash(first: str, second: str, axis: int, out_term: str) -> str:
+    """Why two labels sharded over one grid axis are refused, and the fix."""
+    why = f"labels {first!r} and {second!r} are both sharded over grid axis {axis}"
+    if first in out_term and second in out_term:
+        # q @ k^T with both sequences sharded: each rank would need every block of the
+        # other operand (a ring or a gather), which is not implemented yet.
+        return (f"{why}: free dims of both operands sharded over one grid axis (an outer "
+                f"product, such as attention scores q @ k^T with both sequences sharded) are "
+                f"not supported yet. Redistribute one operand so that its dim is whole on "
+                f"every rank (DomainTensor.redistribute), or shard another dim (a batch, "
+                f"heads) instead")
+    return f"{why}; redistribute one of the operands"
 
 
 @register(torch.einsum)
@@ -73,10 +94,18 @@ def einsum(func, args, kwargs):
     or operands disagree (repartition). String equations with ellipsis and broadcasting;
     sharded labels stay sharded in the output; plain operands are sliced to the block."""
     if kwargs or not args or not isinstance(args[0], str):
-        raise _refuse(func, "expected torch.einsum(equation, *operands)")
+        raise UnsupportedOpError(f"{op_name(func)}: expected torch.einsum(equation, *operands)")
     equation, operands = args[0], list(args[1:])
     if len(operands) == 1 and isinstance(operands[0], (list, tuple)):
         operands = list(operands[0])
+    return contract(func, equation, operands)
+
+
+def contract(func, equation: str, operands: list):
+    """Collective where a contracted label is sharded or operands disagree, local
+    otherwise. ``torch.einsum(equation, *operands)`` by the rule of this module, for
+    ``func`` (einsum itself, or a product such as matmul written as an einsum: errors
+    then name ``func`` and the equation)."""
     dts = [t for t in operands if isinstance(t, DomainTensor)]
     same_grid(func, dts)
     metas = [meta(t) for t in operands]
@@ -84,7 +113,8 @@ def einsum(func, args, kwargs):
     terms, out_term = _explicit(equation, [t.ndim for t in operands])
     explicit = ",".join(terms) + "->" + out_term
     if tuple(torch.einsum(explicit, *metas).shape) != out_shape:
-        raise _refuse(func, f"internal: {equation!r} read as {explicit!r} gives another shape")
+        raise _refuse(func, equation,
+                      f"internal: {equation!r} read as {explicit!r} gives another shape")
 
     size = {}
     for term, t in zip(terms, operands):
@@ -100,18 +130,17 @@ def einsum(func, args, kwargs):
             if t._dec.grid.dims[axis] == 1:
                 continue  # one rank along the axis: the dim is whole, not cut
             if t.shape[d] != size[c]:
-                raise _refuse(func, f"dim {d} of an operand is sharded "
-                                    f"({layout.sharded_dims_text(t._dec)}) but has size "
-                                    f"{t.shape[d]} and broadcasts against label {c!r} of "
-                                    f"size {size[c]}")
+                raise _refuse(func, equation,
+                              f"dim {d} of an operand is sharded "
+                              f"({layout.sharded_dims_text(t._dec)}) but has size {t.shape[d]} "
+                              f"and broadcasts against label {c!r} of size {size[c]}")
             if term.count(c) > 1:
-                raise _refuse(func, f"label {c!r} is repeated in {term!r} (a diagonal) and "
-                                    f"sharded; redistribute so that it is not")
+                raise _refuse(func, equation, f"label {c!r} is repeated in {term!r} (a diagonal) "
+                                              f"and sharded; redistribute so that it is not")
             if c in sharded:
                 continue
             if axis in axis_label:
-                raise _refuse(func, f"labels {axis_label[axis]!r} and {c!r} are both sharded "
-                                    f"over grid axis {axis}; redistribute one of the operands")
+                raise _refuse(func, equation, _clash(axis_label[axis], c, axis, out_term))
             sharded[c], axis_label[axis] = (axis, t._dec.block_sizes(d)), c
 
     lead = dts[0]._dec
@@ -131,9 +160,10 @@ def einsum(func, args, kwargs):
         lost = ({a for a in t._dec.shard.values() if t._dec.grid.dims[a] > 1}
                 - set(target.shard.values()))
         if lost:
-            raise _refuse(func, f"an operand sharded on {layout.sharded_dims_text(t._dec)} "
-                                f"would have to be gathered along grid axes {sorted(lost)} to "
-                                f"match the other operands' labels; redistribute it")
+            raise _refuse(func, equation,
+                          f"an operand sharded on {layout.sharded_dims_text(t._dec)} would have "
+                          f"to be gathered along grid axes {sorted(lost)} to match the other "
+                          f"operands' labels; redistribute it")
         local = ag.repartition(t._local, t._dec, target)
         broadcast = all_axes - set(target.shard.values())
         if broadcast and local.requires_grad and torch.is_grad_enabled():

@@ -7,6 +7,14 @@
   handed to DomainParallel's deferred reduction). The output keeps x's layout
   with the contracted dim's size changed. A sharded contracted dim, a
   DomainTensor weight, or a batched (>2-D) weight is refused.
+- torch.matmul / @ of two DomainTensors, and torch.bmm: computed as the einsum
+  they are (``ops.einsum.contract``; matmul's batch dims broadcast as an
+  ellipsis). Local where only shared batch dims are sharded (an operand laid
+  out differently is repartitioned onto the first one's blocks); a sharded
+  contracted dim gives per-rank partial products summed by an allreduce (the
+  result is replicated along that axis: a plain tensor when no sharded dim
+  remains). Refused: free dims of both operands sharded over one grid axis
+  (attention scores q @ k^T with both sequences sharded).
 - softmax / log_softmax: local along an unsharded dim. Collective along a
   sharded dim: the global maximum (a detached shift, so it carries no
   gradient, as in any stable softmax) and the global sum of exponentials
@@ -26,7 +34,8 @@ from ..tensor import layout
 from ..tensor.dispatch import UnsupportedOpError, op_name, register
 from ..tensor.domain_tensor import DomainTensor
 from ..tensor.params import enter_domain
-from .common import bind
+from .common import bind, meta
+from .einsum import contract
 from .reduce import allreduce_extremum
 
 T = torch.Tensor
@@ -75,14 +84,18 @@ def linear(func, args, kwargs):
 @register(torch.matmul, T.matmul, T.__matmul__, T.__rmatmul__)
 def matmul(func, args, kwargs):
     """Local. x @ W (x's last dim contracted) or W @ x (x's dim -2, or its only
-    dim, contracted), with W plain and 1-D or 2-D."""
+    dim, contracted), with W plain and 1-D or 2-D. Two DomainTensors: as ``bmm``
+    (local on sharded batch dims, allreduce on a sharded contracted dim)."""
     if kwargs.get("out") is not None:
         raise UnsupportedOpError(f"{op_name(func)}: out= is not supported on DomainTensors")
     left, right = (args[1], args[0]) if func is T.__rmatmul__ else (args[0], args[1])
     if isinstance(left, DomainTensor) and isinstance(right, DomainTensor):
-        raise UnsupportedOpError(
-            f"{op_name(func)}: both operands are DomainTensors; domainpar supports a "
-            f"DomainTensor times a plain (replicated) 1-D or 2-D tensor only")
+        torch.matmul(meta(left), meta(right))  # torch's own shape and dtype checks
+        lhs = "...nk" if left.ndim >= 2 else "k"
+        rhs = "...km" if right.ndim >= 2 else "k"
+        out = ("..." if max(left.ndim, right.ndim) >= 2 else "") + \
+            ("n" if left.ndim >= 2 else "") + ("m" if right.ndim >= 2 else "")
+        return contract(func, f"{lhs},{rhs}->{out}", [left, right])
     x = left if isinstance(left, DomainTensor) else right
     w = right if x is left else left
     if not isinstance(w, torch.Tensor):
@@ -114,6 +127,17 @@ def matmul(func, args, kwargs):
     wl = enter_domain(w, out_dec, {})
     out = torch.matmul(x._local, wl) if x is left else torch.matmul(wl, x._local)
     return DomainTensor(out, out_dec)
+
+
+@register(torch.bmm, T.bmm)
+def bmm(func, args, kwargs):
+    """Local where only the batch dim is sharded; collective (allreduce of partial
+    products) where the contracted dim is; operands DomainTensors or plain."""
+    a = bind(func, args, kwargs, ("input", "mat2", "out"))
+    if a["out"] is not None:
+        raise UnsupportedOpError(f"{op_name(func)}: out= is not supported on DomainTensors")
+    torch.bmm(meta(a["input"]), meta(a["mat2"]))  # torch's own shape and dtype checks
+    return contract(func, "bnk,bkm->bnm", [a["input"], a["mat2"]])
 
 
 # -- softmax, log_softmax ------------------------------------------------------------------------
