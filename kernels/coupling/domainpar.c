@@ -250,7 +250,7 @@ static int agree_start(MPI_Comm comm, int rc) {
   MPI_Comm_size(comm, &size);
   char mine[LEN] = "", *all = calloc((size_t)size, LEN);
   const char *why = strncmp(last_error, "dp_init: ", 9) ? last_error : last_error + 9;
-  if (failed) snprintf(mine, LEN, "%s", why);
+  if (failed) snprintf(mine, LEN, "%.*s", LEN - 1, why);  /* cut to the slot */
   if (!all) return set_error(DP_ERR_PYTHON, "dp_init: the embedded Python did not start on "
                              "every rank (out of memory for the details)");
   MPI_Allgather(mine, LEN, MPI_CHAR, all, LEN, MPI_CHAR, comm);
