@@ -18,8 +18,8 @@ from ..tensor import dispatch
 
 BEGIN, END = "<!-- op-table:begin -->", "<!-- op-table:end -->"
 # The op families (modules of domainpar.ops) the table lists.
-FAMILIES = ("attention", "conv", "dropout", "einsum", "fft", "index", "linear", "loss", "norm",
-            "pad", "pointwise", "pool", "reduce", "resample", "shape")
+FAMILIES = ("attention", "conv", "dropout", "einsum", "fft", "index", "interop", "linear", "loss",
+            "norm", "pad", "pointwise", "pool", "reduce", "resample", "shape")
 
 
 def _base_name(func) -> str:
