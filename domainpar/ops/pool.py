@@ -364,8 +364,9 @@ def _adaptive_windows(x: DomainTensor, nsp: int, out_shape, kind: str, indices: 
         return _result(torch_fn(cells, sizes), None, out_dec, False)
     out, idx = torch_fn(cells, sizes)
     if indices:
-        origins = [plans[d].need[window.coordinate(dec, d)][0] if d in plans else 0
-                   for d in spatial]
+        # a dim without a plan is the block itself (unsharded: offset 0)
+        origins = [plans[d].need[window.coordinate(dec, d)][0] if d in plans
+                   else dec.offsets()[d] for d in spatial]
         idx = global_flat_index(idx, cells.shape[-nsp:], origins, x.shape[-nsp:])
     return _result(out, idx, out_dec, indices)
 
