@@ -7,7 +7,8 @@ uneven (on a periodic grid) and zero-size blocks, 1-, 2- and 3-D grids.
 - A sharded contracted dim: partial products and an allreduce-sum; the result is
   replicated along that axis (a plain tensor when no sharded dim remains).
 - Free dims of both operands sharded over one grid axis (attention scores with
-  both sequences sharded): refused on every rank, naming the op and the fix.
+  both sequences sharded): the smaller operand gathered along the axis (more in
+  tests/test_attention_products.py).
 """
 import functools
 
@@ -139,23 +140,31 @@ def _full(v):
     return v.full_tensor() if isinstance(v, dp.DomainTensor) else v
 
 
-# -- free dims of both operands sharded: refused --------------------------------------------------
-def test_attention_scores_with_both_sequences_sharded_are_refused():
-    if SIZE == 1:
-        pytest.skip("needs 2 ranks (on one rank no dim is cut)")
+# -- free dims of both operands sharded: the smaller one gathered ---------------------------------
+def test_attention_scores_with_both_sequences_sharded():
+    """Once refused; now q (the smaller operand: 6 tokens against 7) is gathered along
+    the axis and the scores come out sharded on the keys, like k
+    (tests/test_attention_products.py has the oracle tests, with softmax and v)."""
     grid = grid_of(1, False)
     q = shard_like(global_tensor((2, 6, 4)), grid, {1: 0})
     k = shard_like(global_tensor((2, 7, 4), seed=1), grid, {1: 0})
     kt = k.transpose(-2, -1)
-    fix = ("both sequences sharded", "not supported yet", "DomainTensor.redistribute")
-    raises_everywhere(lambda: torch.matmul(q, kt), "torch.matmul", *fix)
-    raises_everywhere(lambda: q @ kt, "matmul", *fix)
-    raises_everywhere(lambda: torch.bmm(q, kt), "torch.bmm", *fix)
-    raises_everywhere(lambda: torch.einsum("bxd,byd->bxy", q, k), "torch.einsum", *fix)
-    # the fix the message names works: k's sequence made whole
-    whole = k.redistribute({})
-    torch.testing.assert_close(_full(q @ whole.transpose(-2, -1)),
-                               global_tensor((2, 6, 4)) @ global_tensor((2, 7, 4), seed=1).mT)
+    want = global_tensor((2, 6, 4)) @ global_tensor((2, 7, 4), seed=1).mT
+    for s in (torch.matmul(q, kt), q @ kt, torch.bmm(q, kt), torch.einsum("bxd,byd->bxy", q, k)):
+        torch.testing.assert_close(_full(s), want)
+        assert s.to_local().shape == (2, 6, k.to_local().shape[1])
+
+
+def test_a_label_sharded_over_two_axes_is_refused():
+    """A shared label cut over another grid axis in the second operand: matching the
+    first would replicate the second along the axis it is cut on."""
+    grid = grid_of(2, False)
+    if min(grid.dims) == 1:
+        pytest.skip("needs 4 ranks (a 2x2 grid)")
+    a = shard_like(global_tensor((4, 6, 9)), grid, {0: 0})
+    b = shard_like(global_tensor((4, 9, 5), seed=1), grid, {0: 1})
+    raises_everywhere(lambda: torch.bmm(a, b), "torch.bmm", "gathered along grid axes [1]",
+                      "redistribute it")
 
 
 def test_out_is_refused():

@@ -22,18 +22,37 @@ Every label of the equation names one dim of the iteration space; a label is
 - A dim sharded over a grid axis of one rank is whole: it counts as unsharded.
 - Two DomainTensor operands sharded on the same label must agree: the later
   one is repartitioned onto the first one's axis and block sizes.
+- Two labels of two operands sharded over the same grid axis (attention scores
+  ``einsum("bxd,byd->bxy", q, k)`` or ``q @ k.mT`` with both sequences sharded,
+  then ``scores @ v``): one operand is gathered along that axis (its dim made
+  whole there: ``ag.repartition`` to the layout without the cut, an allgatherv
+  among the ranks of the axis, then ``ag.broadcast``, so that the adjoint sums
+  the ranks' gradients of the whole operand and each owner keeps its block: a
+  reduce-scatter), and the product is local; the result is sharded like the
+  operand that stayed sharded. Which one: where one label is contracted and the
+  other kept (``scores @ v``: v's sequence is summed over), the operand with the
+  contracted label, so that the output stays sharded and needs no allreduce;
+  otherwise the smaller operand by global element count (ties: the second).
+  Memory per rank: the kept operand's block, the gathered operand whole (O(T)
+  for k or v) and a scores block of the kept operand's rows by the gathered
+  operand's whole sequence: at most ceil(T/P) x T for self-attention on T tokens
+  over P ranks with balanced blocks (the largest block's rows on uneven ones;
+  T_q/P x T_k or T_q x T_k/P for cross-attention); the gather moves the smaller
+  operand, never the scores. Then ``softmax(dim=-1)`` on scores sharded on the
+  queries is local, and ``scores @ v`` gathers v: the attention's output is
+  sharded on the queries like q.
 
-Refused (UnsupportedOpError on every rank): two labels sharded over the same
-grid axis (among them free labels of two operands, as in attention scores
-``einsum("bxd,byd->bxy", q, k)`` with both sequences sharded); a label
-repeated within one operand (a diagonal) and sharded; a sharded dim of size 1
-that broadcasts against a larger one; a repartition that would replicate an
-operand along an axis it was sharded on (a gather). ``contract`` serves
-matmul and bmm of DomainTensors too (``ops.linear``). torch turns the
-sublist form into an equation before the rule sees the call.
+Refused (UnsupportedOpError on every rank): a label repeated within one operand
+(a diagonal) and sharded; a sharded dim of size 1 that broadcasts against a
+larger one; a repartition that would replicate an operand along an axis it was
+sharded on to match another operand that shards the same label over another
+axis. ``contract`` serves matmul and bmm of DomainTensors too
+(``ops.linear``). torch turns the sublist form into an equation before the rule
+sees the call.
 """
 from __future__ import annotations
 
+import math
 import string
 
 import torch
@@ -74,25 +93,16 @@ def _refuse(func, equation: str, why: str) -> UnsupportedOpError:
     return UnsupportedOpError(f"{name}: {why}")
 
 
-def _clash(first: str, second: str, axis: int, out_term: str) -> str:
-    """Why two labels sharded over one grid axis are refused, and the fix."""
-    why = f"labels {first!r} and {second!r} are both sharded over grid axis {axis}"
-    if first in out_term and second in out_term:
-        # q @ k^T with both sequences sharded: each rank would need every block of the
-        # other operand (a ring or a gather), which is not implemented yet.
-        return (f"{why}: free dims of both operands sharded over one grid axis (an outer "
-                f"product, such as attention scores q @ k^T with both sequences sharded) are "
-                f"not supported yet. Redistribute one operand so that its dim is whole on "
-                f"every rank (DomainTensor.redistribute), or shard another dim (a batch, "
-                f"heads) instead")
-    return f"{why}; redistribute one of the operands"
-
-
 @register(torch.einsum)
 def einsum(func, args, kwargs):
-    """Local, collective when a contracted label is sharded (allreduce of partial sums)
-    or operands disagree (repartition). String equations with ellipsis and broadcasting;
-    sharded labels stay sharded in the output; plain operands are sliced to the block."""
+    """Local, collective when a contracted label is sharded (allreduce of partial sums),
+    operands disagree (repartition) or two operands' labels share a grid axis: then
+    one operand is gathered along it (allgatherv; adjoint: the ranks' gradients
+    summed back to the owners), the one whose label is contracted, else the smaller
+    (ties: the second), so attention scores with both sequences sharded take
+    ceil(T/P) x T per rank plus the gathered k or v. String equations with ellipsis
+    and broadcasting; sharded labels stay sharded in the output; plain operands are
+    sliced to the block."""
     if kwargs or not args or not isinstance(args[0], str):
         raise UnsupportedOpError(f"{op_name(func)}: expected torch.einsum(equation, *operands)")
     equation, operands = args[0], list(args[1:])
@@ -102,10 +112,10 @@ def einsum(func, args, kwargs):
 
 
 def contract(func, equation: str, operands: list):
-    """Collective where a contracted label is sharded or operands disagree, local
-    otherwise. ``torch.einsum(equation, *operands)`` by the rule of this module, for
-    ``func`` (einsum itself, or a product such as matmul written as an einsum: errors
-    then name ``func`` and the equation)."""
+    """Collective where a contracted label is sharded, operands disagree or labels of
+    two operands share a grid axis, local otherwise. ``torch.einsum(equation,
+    *operands)`` by the rule of this module, for ``func`` (einsum itself, or a product
+    such as matmul written as an einsum: errors then name ``func`` and the equation)."""
     dts = [t for t in operands if isinstance(t, DomainTensor)]
     same_grid(func, dts)
     metas = [meta(t) for t in operands]
@@ -120,28 +130,12 @@ def contract(func, equation: str, operands: list):
     for term, t in zip(terms, operands):
         for c, n in zip(term, t.shape):
             size[c] = max(size.get(c, 1), n)
-    # Sharded labels: {label: (grid axis, block sizes)}, the first DomainTensor's say.
-    sharded, axis_label = {}, {}
-    for term, t in zip(terms, operands):
-        if not isinstance(t, DomainTensor):
-            continue
-        for d, axis in t._dec.shard.items():
-            c = term[d]
-            if t._dec.grid.dims[axis] == 1:
-                continue  # one rank along the axis: the dim is whole, not cut
-            if t.shape[d] != size[c]:
-                raise _refuse(func, equation,
-                              f"dim {d} of an operand is sharded "
-                              f"({layout.sharded_dims_text(t._dec)}) but has size {t.shape[d]} "
-                              f"and broadcasts against label {c!r} of size {size[c]}")
-            if term.count(c) > 1:
-                raise _refuse(func, equation, f"label {c!r} is repeated in {term!r} (a diagonal) "
-                                              f"and sharded; redistribute so that it is not")
-            if c in sharded:
-                continue
-            if axis in axis_label:
-                raise _refuse(func, equation, _clash(axis_label[axis], c, axis, out_term))
-            sharded[c], axis_label[axis] = (axis, t._dec.block_sizes(d)), c
+    operands = list(operands)
+    sharded, clash = _sharded_labels(func, equation, terms, operands, size)
+    while clash is not None:  # two labels on one axis: gather one operand, look again
+        i, d = _to_gather(clash, out_term, operands)
+        operands[i] = _gathered(operands[i], d)
+        sharded, clash = _sharded_labels(func, equation, terms, operands, size)
 
     lead = dts[0]._dec
     labels = sorted(size)
@@ -180,3 +174,53 @@ def contract(func, equation: str, operands: list):
     return DomainTensor(out, layout.derive(lead, out_shape,
                                            {d: sharded[c][0] for d, c in kept.items()},
                                            {d: sharded[c][1] for d, c in kept.items()}))
+
+
+def _sharded_labels(func, equation: str, terms, operands, size):
+    """Local. ``({label: (grid axis, block sizes)}, clash)``, the first DomainTensor's
+    say per label; ``clash`` is None, or ``((label, operand), (label, operand), axis)``:
+    the first two labels of two operands found sharded over one grid axis."""
+    sharded, owner = {}, {}
+    for i, (term, t) in enumerate(zip(terms, operands)):
+        if not isinstance(t, DomainTensor):
+            continue
+        for d, axis in t._dec.shard.items():
+            c = term[d]
+            if t._dec.grid.dims[axis] == 1:
+                continue  # one rank along the axis: the dim is whole, not cut
+            if t.shape[d] != size[c]:
+                raise _refuse(func, equation,
+                              f"dim {d} of an operand is sharded "
+                              f"({layout.sharded_dims_text(t._dec)}) but has size {t.shape[d]} "
+                              f"and broadcasts against label {c!r} of size {size[c]}")
+            if term.count(c) > 1:
+                raise _refuse(func, equation, f"label {c!r} is repeated in {term!r} (a diagonal) "
+                                              f"and sharded; redistribute so that it is not")
+            if c in sharded:
+                continue
+            if axis in owner:
+                return sharded, (owner[axis], (c, i), axis)
+            sharded[c], owner[axis] = (axis, t._dec.block_sizes(d)), (c, i)
+    return sharded, None
+
+
+def _to_gather(clash, out_term: str, operands) -> tuple[int, int]:
+    """Local. (operand, dim) to gather for ``clash`` (``_sharded_labels``), by the rule of
+    this module: the operand whose label is contracted where the other label is kept,
+    else the smaller by global element count (ties: the second)."""
+    (first, i), (second, j), axis = clash
+    kept_first, kept_second = first in out_term, second in out_term
+    if kept_first != kept_second:
+        pick = j if kept_first else i
+    else:
+        pick = i if math.prod(operands[i].shape) < math.prod(operands[j].shape) else j
+    dec = operands[pick]._dec
+    return pick, next(d for d, a in dec.shard.items() if a == axis)
+
+
+def _gathered(t: DomainTensor, d: int) -> DomainTensor:
+    """Collective over the grid axis that cuts dim ``d`` (an allgatherv among its ranks).
+    ``t`` with dim ``d`` whole on every rank, replicated along that axis; the caller
+    broadcasts it into per-rank work, so that backward sums the ranks' gradients."""
+    whole = layout.unsharded(t._dec, [d])
+    return DomainTensor(ag.repartition(t._local, t._dec, whole), whole)

@@ -13,8 +13,9 @@
   out differently is repartitioned onto the first one's blocks); a sharded
   contracted dim gives per-rank partial products summed by an allreduce (the
   result is replicated along that axis: a plain tensor when no sharded dim
-  remains). Refused: free dims of both operands sharded over one grid axis
-  (attention scores q @ k^T with both sequences sharded).
+  remains). Free dims of both operands sharded over one grid axis (attention
+  scores q @ k^T with both sequences sharded): one operand gathered along it
+  (``ops.einsum`` says which, and the memory per rank).
 - softmax / log_softmax: local along an unsharded dim. Collective along a
   sharded dim: the global maximum (a detached shift, so it carries no
   gradient, as in any stable softmax) and the global sum of exponentials
