@@ -23,7 +23,6 @@ import os
 import re
 import subprocess
 import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -31,9 +30,8 @@ import torch
 
 from domainpar import cli
 from domainpar.coupling import errors
+from native import BUILD, ROOT, cmake_build
 
-ROOT = Path(__file__).resolve().parent.parent
-BUILD = ROOT / "build"
 SURROGATE_FILE = ROOT / "examples" / "coupling" / "heat_surrogate.py"
 SURROGATE = f"{SURROGATE_FILE}:make_surrogate"
 EXECUTABLES = {"heat2d_c": "examples/coupling/heat2d_c", "heat2d_f": "examples/coupling/heat2d_f",
@@ -46,13 +44,7 @@ N, ALPHA, EVERY, KICK = 32, 0.2, 2, 3  # as in heat2d.c / heat2d.f90
 @pytest.fixture(scope="module")
 def built():
     """Paths of the coupling executables, brought up to date by CMake."""
-    def run(*cmd):
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-        assert proc.returncode == 0, f"{' '.join(cmd)} failed:\n{proc.stdout}\n{proc.stderr}"
-    if not (BUILD / "CMakeCache.txt").exists():
-        run("cmake", "-S", str(ROOT), "-B", str(BUILD), "-DCMAKE_BUILD_TYPE=Release",
-            f"-DPython3_EXECUTABLE={sys.executable}", f"-DPython_EXECUTABLE={sys.executable}")
-    run("cmake", "--build", str(BUILD), "-j2", "--target", *EXECUTABLES)
+    cmake_build(*EXECUTABLES)
     paths = {name: BUILD / rel for name, rel in EXECUTABLES.items()}
     missing = [str(p) for p in paths.values() if not p.exists()]
     assert not missing, f"CMake did not build {missing} (no Fortran compiler or MPI?)"

@@ -23,7 +23,6 @@ or, where no rank can be told, with the documented end.
 import re
 import subprocess
 import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -31,9 +30,8 @@ import torch
 
 from domainpar import cli
 from domainpar.coupling import errors
+from native import BUILD, ROOT, cmake_build
 
-ROOT = Path(__file__).resolve().parent.parent
-BUILD = ROOT / "build"
 MODELS = ROOT / "kernels" / "coupling" / "tests" / "fault_models.py"
 ENTRY = f"{MODELS}:make_boundary"
 NX, NY = 4, 3
@@ -43,15 +41,7 @@ TIMEOUT = 60  # a hang ends here and fails the test
 @pytest.fixture(scope="module")
 def driver():
     """The fault driver, brought up to date by CMake."""
-    def run(*cmd):
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-        assert proc.returncode == 0, f"{' '.join(cmd)} failed:\n{proc.stdout}\n{proc.stderr}"
-    if not (BUILD / "CMakeCache.txt").exists():
-        run("cmake", "-S", str(ROOT), "-B", str(BUILD), "-DCMAKE_BUILD_TYPE=Release",
-            f"-DPython3_EXECUTABLE={sys.executable}", f"-DPython_EXECUTABLE={sys.executable}")
-    else:
-        run("cmake", str(BUILD))  # picks up a target added since the configure
-    run("cmake", "--build", str(BUILD), "-j2", "--target", "coupling_faults_c")
+    cmake_build("coupling_faults_c")
     return BUILD / "kernels" / "coupling" / "coupling_faults_c"
 
 
