@@ -45,7 +45,12 @@ PIP_INSTALL := $(PY) -m pip install -c constraints.txt
 APT_PACKAGES := openmpi-bin libopenmpi-dev gfortran libhdf5-openmpi-dev cmake slurm-wlm munge
 # Keep in sync with the `test` extra in pyproject.toml. Installed explicitly
 # because the package itself is installed with --no-deps (see the pkg stamp).
-TEST_REQUIREMENTS := pytest pytest-mpi pytest-timeout hypothesis opt-einsum tensorly einops
+TEST_REQUIREMENTS := pytest pytest-mpi pytest-timeout hypothesis opt-einsum tensorly einops \
+	monai requests
+# Test requirements installed with --no-deps, after the others: neuraloperator's
+# declared dependencies pull wandb (with some 30 packages), zencfg and configmypy,
+# which its models never import; what they do import is in TEST_REQUIREMENTS.
+NODEPS_TEST_REQUIREMENTS := neuraloperator tensorly-torch
 # The `plots` extra in pyproject.toml: PNGs from `domainpar bench` and the demo.
 PLOT_REQUIREMENTS := matplotlib
 
@@ -182,6 +187,7 @@ $(STAMPS)/pkg: pyproject.toml setup.py $(wildcard domainpar/__init__.py) $(STAMP
 	@echo "==> installing domainpar (editable) and the test tools"
 	$(PIP_INSTALL) --no-build-isolation --no-deps -e .
 	$(PIP_INSTALL) $(TEST_REQUIREMENTS) $(PLOT_REQUIREMENTS)
+	$(PIP_INSTALL) --no-deps $(NODEPS_TEST_REQUIREMENTS)
 	touch $@
 
 # Native kernels. The stamp lives in build/ next to what it stands for, so
