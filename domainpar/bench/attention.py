@@ -18,6 +18,13 @@ own fused CPU kernel on the whole tensors. Measured, per sequence length:
 - peak memory of live tensors during the step (torch's allocator, from the
   profiler): per rank against one process. Both stay O(T) (no T x T scores);
   the ring's per-rank share is O(T / N).
+- explicit attention, as MONAI's SABlock writes it (einsum scores, softmax,
+  einsum with v: ``ops/einsum.py`` gathers k and then v, so a rank holds
+  ceil(T/N) x T scores), at sequence lengths up to ``EXPLICIT_MAX_TOKENS`` (one
+  process needs T x T scores): the peak of live tensors during forward and
+  backward per rank and in one process, each also as a multiple of its own
+  scores block (ceil(T/N) x T x heads, T x T x heads), which stays about the
+  same when the per-rank memory is O(T/N x T).
 
 Runs under the MPI launcher (``-n`` relaunches itself under mpiexec); rank 0
 prints a table and writes JSON.
@@ -38,6 +45,7 @@ from .settings import applied, configurations, describe, ratio_line
 from .timing import live_tensor_peak_kib, median, on_rank0, time_on_rank0
 
 DEFAULT_TOKENS = (16384, 32768, 65536)
+EXPLICIT_MAX_TOKENS = 4096  # one process's T x T float32 scores: 64 MiB per head
 
 
 def _inputs(tokens: int, heads: int, head_dim: int, dtype, seed: int = 0):
@@ -50,6 +58,32 @@ def _step(q, k, v, causal: bool):
     """Forward and backward; the leaves' gradients are dropped afterwards."""
     leaves = [t.detach().requires_grad_(True) for t in (q, k, v)]
     F.scaled_dot_product_attention(*leaves, is_causal=causal).sum().backward()
+
+
+def _explicit_step(q, k, v):
+    """MONAI SABlock's attention, forward and backward (its einsum spelling)."""
+    q, k, v = (t.detach().requires_grad_(True) for t in (q, k, v))
+    att = torch.einsum("blxd,blyd->blxy", q, k) * q.shape[-1] ** -0.5
+    torch.einsum("bhxy,bhyd->bhxd", att.softmax(dim=-1), v).sum().backward()
+
+
+def _explicit_memory(tokens: int, heads: int, head_dim: int, grid) -> dict:
+    """Collective. Peak live-tensor memory of explicit attention on token-sharded
+    q, k, v per rank and in one process (rank 0), and as multiples of the scores
+    block each holds."""
+    comm = grid.comm
+    whole = _inputs(tokens, heads, head_dim, torch.float32, seed=1)
+    blocks = _sharded(whole, grid)
+    per_rank = comm.allgather(live_tensor_peak_kib(lambda: _explicit_step(*blocks)))
+    one = on_rank0(comm, lambda: live_tensor_peak_kib(lambda: _explicit_step(*whole)))
+    rows = max(blocks[0].decomposition.block_sizes(2))
+    block_kib, whole_kib = heads * rows * tokens * 4 / 1024, heads * tokens * tokens * 4 / 1024
+    return {"tokens": tokens, "local_tokens": list(blocks[0].decomposition.block_sizes(2)),
+            "live_tensor_peak_mib": {"per_rank": max(per_rank) / 1024, "one_process": one / 1024},
+            "scores_block_mib": {"per_rank": block_kib / 1024, "one_process": whole_kib / 1024},
+            "peak_over_scores_block": {"per_rank": max(per_rank) / block_kib,
+                                       "one_process": one / whole_kib},
+            "memory_ratio": max(per_rank) / one if one else float("nan")}
 
 
 def _sharded(tensors, grid):
@@ -113,9 +147,11 @@ def _figures(ring, single, transfer, mem_ring, mem_one) -> dict:
 
 def run(tokens=DEFAULT_TOKENS, heads: int = 1, head_dim: int = 32, causal: bool = False,
         repeats: int = 3, out: str = "bench-out/attention.json", log=print,
-        compare=None) -> dict:
+        compare=None, explicit_tokens=None) -> dict:
     """Collective. Every sequence length, N ranks against one process; with
-    ``compare``, each step again under configuration B's settings, alternating."""
+    ``compare``, each step again under configuration B's settings, alternating.
+    Explicit attention's memory at ``explicit_tokens`` (default: the lengths
+    capped at ``EXPLICIT_MAX_TOKENS``)."""
     from ..comm import ProcessGrid, init
     comm = init()
     rank, size = comm.Get_rank(), comm.Get_size()
@@ -163,12 +199,15 @@ def run(tokens=DEFAULT_TOKENS, heads: int = 1, head_dim: int = 32, causal: bool 
             results[str(t)]["B"] = figures["B"]
             results[str(t)]["ratio_B_over_A"] = _ratios(figures["B"], figures["A"])
     bar.close()
+    if explicit_tokens is None:
+        explicit_tokens = sorted({min(t, EXPLICIT_MAX_TOKENS) for t in tokens})
+    explicit = {str(t): _explicit_memory(t, heads, head_dim, grid) for t in explicit_tokens}
     load.append(os.getloadavg())
     report = {"benchmark": "attention", "ranks": size, "host": platform.node(),
               "cpus": os.cpu_count(), "loadavg_start_end": load, "torch": torch.__version__,
               "torch_threads_per_rank": 1, "heads": heads, "head_dim": head_dim,
               "causal": causal, "dtype": "float32", "configurations": configurations(compare),
-              "cases": results}
+              "cases": results, "explicit": explicit}
     if rank == 0:
         _print(report, log)
         write_json(report, out, log)
@@ -202,5 +241,11 @@ def _print(report: dict, log) -> None:
     if compared:
         log(ratio_line(f"step on {n} ranks", {f"T={c['tokens']}": c["ratio_B_over_A"]["step_ranks"]
                                                 for c in report["cases"].values()}))
+    log(f"\nExplicit attention (einsum, softmax, einsum), live MiB: {'tokens':>7} "
+        f"{'1 proc':>9} {'per rank':>9} {'ratio':>6}   peak / scores block: 1 proc, per rank")
+    for e in report.get("explicit", {}).values():
+        m, b = e["live_tensor_peak_mib"], e["peak_over_scores_block"]
+        log(f"{'':>55} {e['tokens']:>7} {m['one_process']:9.1f} {m['per_rank']:9.1f} "
+            f"{e['memory_ratio']:6.2f}   {b['one_process']:.2f}, {b['per_rank']:.2f}")
     log(f"Load average {report['loadavg_start_end'][0][0]:.1f} at the start, "
         f"{report['cpus']} CPUs.")
