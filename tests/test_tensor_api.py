@@ -6,7 +6,7 @@ import torch
 from mpi4py import MPI
 
 import domainpar as dp
-from domainpar.testing import assert_matches_single_process
+from domainpar.testing import assert_matches_single_process, raises_on_every_rank
 from tensor_cases import CASES, global_tensor, layout, sizes_for
 
 pytestmark = pytest.mark.mpi
@@ -20,21 +20,6 @@ SHARD_DIMS = (2, 3, 1)
 def _dec(grid_ndim, kind):
     grid, shard, sizes = layout(SHAPE, SHARD_DIMS, grid_ndim, kind)
     return dp.Decomposition(SHAPE, grid, shard, sizes)
-
-
-def raises_on_every_rank(error, match, fn):
-    """Collective. ``fn()`` raises ``error`` (message matching ``match``) on every
-    rank; the ranks' outcomes are compared, so one rank alone failing shows."""
-    try:
-        fn()
-        outcome = "no error"
-    except error as exc:
-        import re
-        outcome = "ok" if re.search(match, str(exc)) else f"message {exc}"
-    except Exception as exc:  # noqa: BLE001 (reported below, on every rank)
-        outcome = f"{type(exc).__name__}: {exc}"
-    outcomes = COMM.allgather(outcome)
-    assert all(o == "ok" for o in outcomes), outcomes
 
 
 # -- scatter -----------------------------------------------------------------------------------

@@ -14,7 +14,6 @@ silent wrong answer or a hang.
 from __future__ import annotations
 
 import os
-import re
 import signal
 import subprocess
 import sys
@@ -28,25 +27,11 @@ from mpi4py import MPI
 
 import domainpar as dp
 from domainpar import cli
-from domainpar.testing import assert_matches_single_process
+from domainpar.testing import assert_matches_single_process, raises_on_every_rank
 
 COMM = MPI.COMM_WORLD
 SIZE, RANK = COMM.Get_size(), COMM.Get_rank()
 ROOT = Path(__file__).resolve().parent.parent
-
-
-def raises_on_every_rank(error, match, fn):
-    """Collective. ``fn()`` raises exactly ``error`` with a message matching
-    ``match`` on every rank, the same message everywhere."""
-    try:
-        fn()
-        outcome = "no error"
-    except Exception as exc:  # noqa: BLE001 (compared below, on every rank)
-        outcome = (type(exc).__name__, str(exc))
-    outcomes = COMM.allgather(outcome)
-    assert all(o != "no error" and o[0] == error.__name__ for o in outcomes), outcomes
-    assert len(set(outcomes)) == 1, f"messages differ between ranks: {outcomes}"
-    assert re.search(match, outcomes[0][1]), outcomes[0][1]
 
 
 # -- item 1: user autograd.Functions ------------------------------------------------------------

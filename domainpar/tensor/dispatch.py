@@ -43,7 +43,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from ..comm.errors import DomainparError
-from . import layout
+from . import aliasing, layout
 
 _RULES: dict[Any, Callable] = {}
 _ATTRIBUTE_RULES: dict[str, Callable] = {}
@@ -123,8 +123,14 @@ def same_grid(func: Any, tensors: list) -> None:
     for t in tensors[1:]:
         if t._dec.grid is not grid:
             raise UnsupportedOpError(
-                f"{op_name(func)}: DomainTensors on different process grids ({grid!r} and "
-                f"{t._dec.grid!r}) cannot be mixed; repartition one onto the other's grid")
+                f"{op_name(func)}: DomainTensors on different process grids ({_grid_text(grid)} "
+                f"and {_grid_text(t._dec.grid)}) cannot be mixed; repartition one onto the "
+                f"other's grid")
+
+
+def _grid_text(grid) -> str:
+    """A grid as every rank describes it alike (its repr names this rank)."""
+    return f"dims {grid.dims}, periodic {grid.periodic}"
 
 
 def unsupported(func: Any, args, kwargs, why: str | None = None) -> UnsupportedOpError:
@@ -145,9 +151,12 @@ def handle(func, types, args=(), kwargs=None):
     if name in ("__get__", "__set__", "__delete__"):
         return _attribute(func, name, args, kwargs)
     rule = _RULES.get(func)
+    refusal = aliasing.write_refusal(func, args, kwargs)
+    if refusal is not None:
+        raise UnsupportedOpError(f"{op_name(func)}: {refusal}")
     with torch._C.DisableTorchFunctionSubclass():
         if rule is not None:
-            return rule(func, args, kwargs)
+            return aliasing.link(name, args, kwargs, rule(func, args, kwargs))
         if _GATHER_ALLOWED.get():
             return _gather_and_run(func, args, kwargs)
         raise unsupported(func, args, kwargs)
@@ -172,11 +181,11 @@ def _attribute(func, kind, args, kwargs):
                 g = self._local.grad
                 return None if g is None else DomainTensor(g, self._dec)
             if attr == "data":
-                return DomainTensor(self._local.data, self._dec)
+                return aliasing.link(attr, args, {}, DomainTensor(self._local.data, self._dec))
             if attr in _LOCAL_ATTRIBUTES:
                 return getattr(self._local, attr)
             if attr in _ATTRIBUTE_RULES:
-                return _ATTRIBUTE_RULES[attr](self)
+                return aliasing.link(attr, args, {}, _ATTRIBUTE_RULES[attr](self))
             return func(*args, **kwargs)  # metadata of the global tensor: shape, dtype ...
         if kind == "__set__":
             value = args[1]

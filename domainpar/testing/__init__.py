@@ -1,9 +1,11 @@
-"""Public test helpers: dot-product adjoint tests and the single-process oracle.
+"""Public test helpers: dot-product adjoint tests, the single-process oracle, and
+errors raised on every rank alike.
 
 ``global_dot``/``adjoint_error`` work on numpy arrays (no torch); the torch
 helpers load on first use.
 """
 from .adjoint import adjoint_error, global_dot
+from .errors import raises_on_every_rank
 
 _TORCH_NAMES = ("adjoint_test", "assert_matches_single_process", "inner", "shard_like")
 
@@ -17,4 +19,4 @@ def __getattr__(name):
 
 
 __all__ = ["adjoint_error", "adjoint_test", "assert_matches_single_process", "global_dot",
-           "inner", "shard_like"]
+           "inner", "raises_on_every_rank", "shard_like"]
