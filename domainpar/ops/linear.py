@@ -85,8 +85,9 @@ def linear(func, args, kwargs):
 @register(torch.matmul, T.matmul, T.__matmul__, T.__rmatmul__)
 def matmul(func, args, kwargs):
     """Local. x @ W (x's last dim contracted) or W @ x (x's dim -2, or its only
-    dim, contracted), with W plain and 1-D or 2-D. Two DomainTensors: as ``bmm``
-    (local on sharded batch dims, allreduce on a sharded contracted dim)."""
+    dim, contracted), with W plain and 1-D or 2-D. Two DomainTensors: as ``einsum``
+    (local on sharded batch dims, allreduce on a sharded contracted dim; free dims of
+    both sharded over one grid axis, such as attention scores: one operand gathered)."""
     if kwargs.get("out") is not None:
         raise UnsupportedOpError(f"{op_name(func)}: out= is not supported on DomainTensors")
     left, right = (args[1], args[0]) if func is T.__rmatmul__ else (args[0], args[1])
@@ -133,7 +134,8 @@ def matmul(func, args, kwargs):
 @register(torch.bmm, T.bmm)
 def bmm(func, args, kwargs):
     """Local where only the batch dim is sharded; collective (allreduce of partial
-    products) where the contracted dim is; operands DomainTensors or plain."""
+    products) where the contracted dim is, or (one operand gathered, as ``einsum``)
+    where free dims of both are; operands DomainTensors or plain."""
     a = bind(func, args, kwargs, ("input", "mat2", "out"))
     if a["out"] is not None:
         raise UnsupportedOpError(f"{op_name(func)}: out= is not supported on DomainTensors")
