@@ -9,7 +9,7 @@ import torch
 from mpi4py import MPI
 
 import domainpar as dp
-from domainpar.comm.decomposition import Decomposition
+from domainpar.comm.decomposition import Decomposition, balanced_sizes
 from domainpar.testing import assert_matches_single_process, shard_like
 from tensor_cases import CASES, DTYPES, SIZE, global_tensor, layout, raises_everywhere
 
@@ -189,19 +189,18 @@ def test_split_view_when_blocks_divide():
                                   x.grid, {0: 0}, sizes={0: sizes})
 
 
-def test_split_view_refused_reshape_repartitions():
-    # blocks of 3 rows cannot be cut into whole (.., 2) rows: view refuses, reshape moves data
+def test_split_view_and_reshape_repartition():
+    # blocks of 3 rows cannot be cut into whole (.., 2) rows: view and reshape move data
+    # (a view that repartitioned refuses writes: tests/test_view_repartition.py)
     n = 3 * SIZE + (1 if SIZE % 2 else 0)  # even, so the split exists
     sizes = [3] * SIZE
     sizes[0] += n - 3 * SIZE
     x = sharded((n, 5), {0: 0}, {0: sizes})
-    if SIZE > 1:
-        raises_everywhere(lambda: x.view(n // 2, 2, 5), "Tensor.view", "reshape would repartition",
-                          "dim 0")
-    y = x.reshape(n // 2, 2, 5)
-    assert sum(y.decomposition.block_sizes(0)) == n // 2
-    assert_matches_single_process(lambda t: t.reshape(n // 2, 2, 5).sin(),
-                                  global_tensor((n, 5)), x.grid, {0: 0}, sizes={0: sizes})
+    for y in (x.reshape(n // 2, 2, 5), x.view(n // 2, 2, 5)):
+        assert sum(y.decomposition.block_sizes(0)) == n // 2
+    for fn in (lambda t: t.reshape(n // 2, 2, 5).sin(), lambda t: t.view(n // 2, 2, 5).sin()):
+        assert_matches_single_process(fn, global_tensor((n, 5)), x.grid, {0: 0},
+                                      sizes={0: sizes})
 
 
 def test_view_of_non_contiguous_blocks_copies_on_every_rank():
@@ -212,9 +211,15 @@ def test_view_of_non_contiguous_blocks_copies_on_every_rank():
     assert torch.equal(y.full_tensor(), global_tensor((6, 4, 5)).transpose(1, 2).reshape(6, 20))
 
 
-def test_view_refuses_merge_with_inner_sharded_dim():
+def test_view_merge_with_inner_sharded_dim_repartitions():
+    # dim 1 is cut but dim 0 is the outermost of the merge: the cut moves onto dim 0
     x = sharded((4, 6, 5), {1: 0})
-    raises_everywhere(lambda: x.view(24, 5), "Tensor.view", "not the outermost", "(4, 6, 5)")
+    y = x.view(24, 5)
+    assert y.decomposition.shard == {0: 0}
+    assert y.decomposition.block_sizes(0) == tuple(6 * b for b in balanced_sizes(4, SIZE))
+    assert torch.equal(y.full_tensor(), global_tensor((4, 6, 5)).view(24, 5))
+    assert_matches_single_process(lambda t: t.view(24, 5).sin(), global_tensor((4, 6, 5)),
+                                  x.grid, {1: 0})
 
 
 def test_two_sharded_dims_in_one_group_refused():

@@ -41,18 +41,25 @@ when looking for the outermost dim of a group. Per group:
   in units of ``J / gcd(I, J)`` rows, then proceeds as above; it refuses when
   those units are too coarse to give more than one non-empty block while the
   old layout had several (that would gather the dim onto one rank). ``view``
-  never communicates: it raises UnsupportedOpError saying reshape would
-  repartition;
+  does the same (Swin's window partition ``x.view(B, D // ws, ws, ...)`` on
+  blocks of 11/11/10 rows and windows of 4 repartitions to 12/12/8 rows, 3/3/2
+  whole windows, sharded on the windows dim); see "Views that are copies";
 - two sharded dims of size > 1 in one group: refused (one of them would have to
   be gathered whole along its grid axis);
 - a sharded dim of global size 1: kept when it forms a group with only size-1
-  new dims (it moves to the first of them), otherwise made unsharded first
-  (reshape; view refuses).
+  new dims (it moves to the first of them), otherwise made unsharded first.
 
-``view`` never moves data between ranks, but a block whose strides do not allow
-a view (after a permute, say) is copied instead of raising: whether a view is
-possible can differ between ranks (an empty block always views), and an error
-on some ranks only would hang the others.
+Views that are copies. torch's ``view`` always shares its input's storage
+(``reshape`` may copy, and torch says not to rely on either). A ``view`` that
+repartitions is a copy of the blocks, so domainpar marks it and its input
+(``tensor/aliasing.py``): an in-place write into either, or into any tensor
+that shares data with them through view-like ops (permute, slicing, detach,
+``.data`` ...), raises UnsupportedOpError on every rank, since in one process
+it would reach both. Out-of-place ops and writes into a ``clone()`` are fine.
+A ``view`` that needs no repartition views the block; a block whose strides do
+not allow a view (after a permute, say) is copied instead of raising: whether
+a view is possible can differ between ranks (an empty block always views), and
+an error on some ranks only would hang the others.
 
 A tensor with no elements is reshaped in the block and comes back unsharded
 (there is nothing to lay out). ``view(dtype)`` keeps the layout when the item
@@ -71,7 +78,7 @@ import torch
 
 from .. import autograd as ag
 from ..comm.decomposition import Decomposition, balanced_sizes
-from ..tensor import layout
+from ..tensor import aliasing, layout
 from ..tensor.dispatch import UnsupportedOpError, op_name, register, register_attribute
 from ..tensor.domain_tensor import DomainTensor
 
@@ -331,15 +338,15 @@ def _reshape_to(func, x: DomainTensor, new_shape: tuple[int, ...], *, view: bool
     src = layout.derive(dec, dec.global_shape, plan.src_shard, plan.src_sizes)
     local = x._local
     if src != dec:
-        if view:
-            raise _refuse(func, x, (
-                f"viewing it as {tuple(new_shape)} needs its blocks repartitioned first ("
-                + "; ".join(plan.moves) + "), which a view never does; reshape would "
-                f"repartition, use it instead"))
         local = ag.repartition(local, dec, src)
     out = layout.derive(dec, new_shape, plan.out_shard, plan.out_sizes)
-    return DomainTensor(_local_view(local, out.local_shape()) if view
-                        else local.reshape(out.local_shape()), out)
+    result = DomainTensor(_local_view(local, out.local_shape()) if view
+                          else local.reshape(out.local_shape()), out)
+    if view and src != dec:
+        aliasing.mark_copied(x, result, (
+            f"{op_name(func)} of global shape {tuple(dec.global_shape)} as {tuple(new_shape)} "
+            f"repartitioned its blocks first: " + "; ".join(plan.moves)))
+    return result
 
 
 def _local_view(local: torch.Tensor, shape) -> torch.Tensor:
@@ -360,7 +367,8 @@ def _is_dtype_view(args, kwargs) -> bool:
 
 @register(T.view, T.view_as)
 def view(func, args, kwargs):
-    """Local: a view never moves data (see the module docstring)."""
+    """Local, or collective when the blocks must be repartitioned first: then a
+    copy, and writes into it or its input are refused (see the module docstring)."""
     x = _self(func, args, kwargs)
     out_shape = tuple(_probe(func, x, args, kwargs).shape)
     if func is T.view and _is_dtype_view(args, kwargs):
