@@ -108,21 +108,12 @@ LAYOUTS = {
 # What domainpar refuses today: (model, layout) -> (the first refused op, as the
 # error message names it; the issue-18 item that makes it run). Every row is
 # tested to refuse cleanly on every rank (test_refused_model_refuses_cleanly).
-# Items: 1 a dim sharded over several grid axes (merging sharded dims); 2 products
-# of two DomainTensors with both free dims sharded (attention scores); 5 writing
+# Items: 1 a dim sharded over several grid axes (merging sharded dims); 5 writing
 # a DomainTensor into a plain preallocated tensor; 6 a view that needs a
 # repartition (window partition on blocks not a multiple of the window).
 REFUSED = {
     # model         layout                 first refused op       issue 18 item
-    ("UNETR", "2 ranks"):             ("torch.einsum",        2),  # SABlock q.k^T
-    ("UNETR", "2 ranks uneven"):      ("torch.einsum",        2),
-    ("UNETR", "4 ranks"):             ("torch.einsum",        2),
-    ("UNETR", "4 ranks uneven"):      ("torch.einsum",        2),
     ("UNETR", "2x2 grid"):            ("Tensor.flatten",      1),  # patch grid -> tokens
-    ("SwinUNETR", "2 ranks"):         ("Tensor.matmul",       2),  # window attention q @ k^T
-    ("SwinUNETR", "2 ranks uneven"):  ("Tensor.view",         6),  # window partition, 9/7 rows
-    ("SwinUNETR", "4 ranks"):         ("Tensor.view",         6),  # 2/2/2/2 rows, windows of 4
-    ("SwinUNETR", "4 ranks uneven"):  ("Tensor.view",         6),
     ("SwinUNETR", "2x2 grid"):        ("Tensor.view",         1),  # windows merged to a batch
     ("FNO 2-D", "2 ranks"):           ("Tensor.__setitem__",  5),  # out_fft[...] = x_ft @ w
     ("FNO 2-D", "2 ranks uneven"):    ("Tensor.__setitem__",  5),

@@ -61,7 +61,7 @@ def _one_process(model: torch.nn.Module, crop: torch.Tensor) -> dict:
     out = model(x)
     (out * _loss_weight(out.shape, out.dtype)).sum().backward()
     return {"output": out.detach(), "input gradient": x.grad,
-            **{name: p.grad for name, p in model.named_parameters()}}
+            **_parameter_gradients(model)}
 
 
 def _sharded(model: torch.nn.Module, crop: torch.Tensor, grid, shard, sizes=None) -> dict:
@@ -71,7 +71,15 @@ def _sharded(model: torch.nn.Module, crop: torch.Tensor, grid, shard, sizes=None
     out = net(x)
     (out * _loss_weight(out.shape, out.dtype)).sum().backward()
     return {"output": out.full_tensor().detach(), "input gradient": x.grad.full_tensor(),
-            **{name: p.grad for name, p in model.named_parameters()}}
+            **_parameter_gradients(model)}
+
+
+def _parameter_gradients(model: torch.nn.Module) -> dict:
+    """Local. Every parameter's gradient, zeros for one the loss never reached
+    (an unused parameter, such as the cross-attention norms of UNETR's ViT), so
+    that both runs compare alike: a gradient on one side only still differs."""
+    return {name: torch.zeros_like(p) if p.grad is None else p.grad
+            for name, p in model.named_parameters()}
 
 
 def _group(name: str) -> str:
