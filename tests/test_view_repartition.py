@@ -176,3 +176,48 @@ def test_two_cut_dims_merged_still_refused():
     grid = dp.ProcessGrid(MPI.Compute_dims(SIZE, 2))
     x = shard_like(global_tensor((1, 8, 8, 3)), grid, {1: 0, 2: 1})
     raises_everywhere(lambda: x.view(1, 64, 3), "gathered")
+
+
+# -- layouts aligned to whole windows: the view needs no repartition -------------------------------
+def test_aligned_sizes():
+    from domainpar.comm.decomposition import aligned_sizes
+    assert aligned_sizes(32, 3, 4) == (12, 12, 8)
+    assert aligned_sizes(32, 1, 4) == (32,)
+    assert aligned_sizes(8, 4, 4) == (4, 4, 0, 0)
+    assert aligned_sizes(10, 2, 4) == (4, 6)  # the 2 rows left over go to the last block
+    assert aligned_sizes(0, 3, 4) == (0, 0, 0)
+    assert aligned_sizes(7, 3, 1) == (3, 2, 2)
+
+
+@pytest.mark.parametrize("grid_ndim", (1, 2))
+def test_scatter_aligned_to_windows_views_blocks(grid_ndim):
+    grid = dp.ProcessGrid(MPI.Compute_dims(SIZE, grid_ndim))
+    shard = {1: 0, 2: 1} if grid_ndim == 2 else {1: 0}
+    t = global_tensor((1, 32, 12, 3))
+    x = dp.scatter(t, grid, shard, align={1: 4, 2: 4} if grid_ndim == 2 else {1: 4})
+    assert all(s % 4 == 0 for d in shard for s in x.decomposition.block_sizes(d))
+    y = x.view(1, 8, 4, 3, 4, 3)
+    assert y.to_local().data_ptr() == x.to_local().data_ptr() or x.to_local().numel() == 0
+    assert torch.equal(y.full_tensor(), t.view(1, 8, 4, 3, 4, 3))
+    y.mul_(2)  # a true view: the write reaches x, as in one process
+    assert torch.equal(x.full_tensor(), 2 * t)
+    assert_matches_single_process(swin_round_trip_2d, t, grid, shard,
+                                  sizes={d: x.decomposition.block_sizes(d) for d in shard})
+
+
+def swin_round_trip_2d(x):
+    b, h, w, c = x.shape
+    v = x.view(b, h // WS, WS, w // WS, WS, c).permute(0, 1, 3, 2, 4, 5)
+    mixed = v.softmax(dim=3) * v.sum(dim=(3, 4), keepdim=True).sin()
+    return mixed.permute(0, 1, 3, 2, 4, 5).contiguous().view(b, h, w, c)
+
+
+def test_align_errors_on_every_rank():
+    grid = dp.ProcessGrid((SIZE,))
+    t = global_tensor((8, 3))
+    for align, words in (({1: 4}, "not sharded"), ({0: 0}, "positive integer"),
+                         ({0: 2.5}, "positive integer")):
+        with pytest.raises(dp.LayoutError, match=words):
+            dp.scatter(t, grid, {0: 0}, align=align)
+    with pytest.raises(dp.LayoutError, match="both sizes and align"):
+        dp.Decomposition((8, 3), grid, {0: 0}, {0: [8] + [0] * (SIZE - 1)}, align={0: 4})

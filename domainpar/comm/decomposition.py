@@ -21,6 +21,14 @@ def balanced_sizes(n: int, parts: int) -> tuple[int, ...]:
     return tuple(q + (c < r) for c in range(parts))
 
 
+def aligned_sizes(n: int, parts: int, unit: int) -> tuple[int, ...]:
+    """``n`` cut into ``parts`` blocks balanced in whole units of ``unit`` (the
+    first get one unit more); the ``n % unit`` rows left over go to the last block."""
+    sizes = [unit * b for b in balanced_sizes(n // unit, parts)]
+    sizes[-1] += n % unit
+    return tuple(sizes)
+
+
 class Decomposition:
     """Collective (a consistency check; see ``check``). How a global array shape is
     cut over a ProcessGrid.
@@ -29,12 +37,17 @@ class Decomposition:
     axes that no dim names replicate the data. Blocks are balanced by default
     (the first ``n % p`` coordinates get one more) or given per dim with
     ``sizes={dim: [n_0, n_1, ...]}``, one per coordinate along the axis; they
-    may be uneven and may be zero. Negative dims count from the end.
+    may be uneven and may be zero. ``align={dim: k}`` balances a dim's default
+    blocks in whole units of ``k`` rows instead (``aligned_sizes``: 32 rows, k=4,
+    3 processes: 12/12/8), so that a later ``view`` splitting the dim into
+    (n // k, k), a window partition, needs no repartition. Negative dims count
+    from the end.
     """
 
     def __init__(self, global_shape: Sequence[int], grid: ProcessGrid,
                  shard: Mapping[int, int] | None = None,
-                 sizes: Mapping[int, Sequence[int]] | None = None, *, check: bool = True):
+                 sizes: Mapping[int, Sequence[int]] | None = None, *, check: bool = True,
+                 align: Mapping[int, int] | None = None):
         self.grid = grid
         problem = None
         try:
@@ -42,9 +55,10 @@ class Decomposition:
             if any(n < 0 for n in self.global_shape):
                 raise LayoutError(f"global shape {self.global_shape} has a negative size")
             self.shard = self._normalise_shard(shard or {})
-            self._sizes = self._normalise_sizes(sizes or {})
+            self._sizes = self._normalise_sizes(sizes or {}, align or {})
         except (LayoutError, TypeError, ValueError) as exc:
-            problem = f"Decomposition({global_shape!r}, shard={shard}, sizes={sizes}): {exc}"
+            problem = (f"Decomposition({global_shape!r}, shard={shard}, sizes={sizes}"
+                       + (f", align={align}" if align else "") + f"): {exc}")
             self.global_shape, self.shard, self._sizes = (), {}, {}
         if check:
             agree(grid.comm, problem,
@@ -74,18 +88,29 @@ class Decomposition:
             out[dim] = axis
         return dict(sorted(out.items()))
 
-    def _normalise_sizes(self, sizes: Mapping[int, Sequence[int]]) -> dict[int, tuple[int, ...]]:
+    def _sharded_dim(self, dim, what: str) -> int:
         ndim = len(self.global_shape)
-        given = {}
-        for dim, s in sizes.items():
-            dim = int(dim)
-            if not -ndim <= dim < ndim or dim % ndim not in self.shard:
-                raise LayoutError(f"sizes given for dim {dim}, which is not sharded")
-            given[dim % ndim] = tuple(int(n) for n in s)
+        dim = int(dim)
+        if not -ndim <= dim < ndim or dim % ndim not in self.shard:
+            raise LayoutError(f"{what} given for dim {dim}, which is not sharded")
+        return dim % ndim
+
+    def _normalise_sizes(self, sizes: Mapping[int, Sequence[int]],
+                         align: Mapping[int, int]) -> dict[int, tuple[int, ...]]:
+        given = {self._sharded_dim(d, "sizes"): tuple(int(n) for n in s)
+                 for d, s in sizes.items()}
+        units = {}
+        for d, k in align.items():
+            dim = self._sharded_dim(d, "align")
+            if dim in given:
+                raise LayoutError(f"dim {dim} has both sizes and align; give one")
+            if isinstance(k, bool) or int(k) != k or k < 1:
+                raise LayoutError(f"align for dim {dim} must be a positive integer, got {k!r}")
+            units[dim] = int(k)
         out = {}
         for dim, axis in self.shard.items():
             parts, n = self.grid.dims[axis], self.global_shape[dim]
-            s = given.get(dim, balanced_sizes(n, parts))
+            s = given[dim] if dim in given else aligned_sizes(n, parts, units.get(dim, 1))
             if len(s) != parts:
                 raise LayoutError(f"sizes for dim {dim} have {len(s)} entries, but grid "
                                   f"axis {axis} has {parts} processes")

@@ -196,8 +196,12 @@ def _sizes_from_stories(stories, grid: ProcessGrid):
 
 
 def scatter(t: torch.Tensor | None, grid: ProcessGrid, shard: Mapping[int, int], src: int = 0,
-            requires_grad: bool = False) -> DomainTensor:
-    """Collective. ``t`` (needed on ``src`` only) cut into blocks over ``grid``.
+            requires_grad: bool = False, align: Mapping[int, int] | None = None
+            ) -> DomainTensor:
+    """Collective. ``t`` (needed on ``src`` only) cut into blocks over ``grid``:
+    balanced, or with ``align={dim: k}`` balanced in whole units of ``k`` rows
+    (see Decomposition), so that Swin's window partition ``x.view(..., D // k,
+    k, ...)`` is a view of each block rather than a repartition.
 
     With ``requires_grad`` the result is a leaf whose ``.grad`` collects the
     blocks' gradients. When ``t`` itself requires grad on ``src``, the result
@@ -221,7 +225,7 @@ def scatter(t: torch.Tensor | None, grid: ProcessGrid, shard: Mapping[int, int],
     if problem:  # every rank got the same story from src: all raise alike
         raise LayoutError(problem)
     shape, dtype, device_type, src_requires = meta
-    dec = Decomposition(shape, grid, shard)
+    dec = Decomposition(shape, grid, shard, align=align)
     if grid.rank == src:
         source = t
     else:
