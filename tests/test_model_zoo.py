@@ -79,6 +79,12 @@ MODELS = {
     "SwinUNETR": ("MONAI", _monai("SwinUNETR", 1, 1, depths=(1, 1, 1, 1), num_heads=(1, 1, 1, 1),
                                   feature_size=12, window_size=4,
                                   norm_name=("group", {"num_groups": 3})), (1, 1, 32, 32, 32)),
+    # neuraloperator 2.0 hard-codes complex64 (torch.cfloat) for its spectral
+    # weights and for SpectralConv's out_fft buffer: model.to(float64) leaves the
+    # weights complex64 (einsum then fails on the dtype mix, in one process too),
+    # and out_fft rounds the spectral path to float32 in any case. When item 5
+    # lands, the float64 check needs the complex weights cast to complex128 and
+    # a float32-level judge for the spectral path (or an upstream dtype option).
     "FNO 2-D": ("neuraloperator", _neuralop("FNO", n_modes=(4, 4), in_channels=1, out_channels=1,
                                             hidden_channels=4, n_layers=2), (1, 1, 16, 16)),
     "FNO 3-D": ("neuraloperator", _neuralop("FNO", n_modes=(4, 4, 4), in_channels=1,
