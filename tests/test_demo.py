@@ -225,3 +225,22 @@ def test_check_passes_an_honest_model_over_20_seeds():
         if not report["ok"]:
             failed.append((seed, report))
     assert not failed, failed
+
+
+@pytest.mark.mpi
+def test_check_failing_on_rank0_alone_raises_on_every_rank():
+    """The one-process run is rank 0's alone: a model that fails there (here: on a
+    plain tensor only) must raise on every rank, not leave the others waiting."""
+    from domainpar.demo import check
+    from domainpar.testing import raises_on_every_rank
+
+    class ShardedOnly(torch.nn.Conv3d):
+        def forward(self, x):
+            if not isinstance(x, dp.DomainTensor):
+                raise KeyError("only sharded")
+            return super().forward(x)
+
+    grid = dp.ProcessGrid((MPI.COMM_WORLD.Get_size(),))
+    crop = torch.rand(1, 2, 8, 8, 8)
+    raises_on_every_rank(dp.DomainparError, "rank 0 failed: KeyError: 'only sharded'",
+                         lambda: check.check(ShardedOnly(2, 2, 3, padding=1), crop, grid, {2: 0}))

@@ -12,6 +12,8 @@ from typing import Callable, Mapping
 
 from mpi4py import MPI
 
+from ..comm.errors import DomainparError
+
 
 def interleaved(comm: MPI.Comm, paths: Mapping[str, Callable[[], object]], repeats: int,
                 warmup: int = 2, context: Callable[[str], contextlib.AbstractContextManager]
@@ -88,10 +90,21 @@ def time_on_rank0(comm: MPI.Comm, step: Callable[[], object]) -> dict:
 
 
 def on_rank0(comm: MPI.Comm, fn: Callable[[], object]):
-    """Collective. ``fn()`` on rank 0 while the others sleep; its result everywhere."""
-    result = fn() if comm.Get_rank() == 0 else None
+    """Collective. ``fn()`` on rank 0 while the others sleep; its result everywhere.
+    If ``fn`` raises, every rank raises the same DomainparError naming it (chained
+    from the original on rank 0) instead of leaving the others waiting."""
+    result, failure = None, None
+    if comm.Get_rank() == 0:
+        try:
+            result = fn()
+        except Exception as exc:  # noqa: BLE001 (raised again below, on every rank)
+            failure = exc
     idle_barrier(comm)
-    return comm.bcast(result, root=0)
+    result, why = comm.bcast((result, None if failure is None else
+                              f"{type(failure).__name__}: {failure}"), root=0)
+    if why is not None:
+        raise DomainparError(f"rank 0 failed: {why}") from failure
+    return result
 
 
 def live_tensor_peak_kib(step: Callable[[], object]) -> float:

@@ -161,10 +161,10 @@ def check(model: torch.nn.Module, crop: torch.Tensor, grid: dp.ProcessGrid, shar
         on_rank0(comm, lambda: want.__setitem__(dtype, _one_process(ref_model, crop.to(dtype))))
         got[dtype] = _sharded(copy.deepcopy(model).to(dtype).train(), crop.to(dtype), grid,
                               shard, sizes)
-    report = None
-    if comm.Get_rank() == 0:
+    def judge():
         report = {"float64": _compare(got[torch.float64], want[torch.float64], None),
                   "float32": _compare(got[torch.float32], want[torch.float32],
                                       want[torch.float64])}
         report["ok"] = all(r["ok"] for rows in report.values() for r in rows.values())
-    return comm.bcast(report, root=0)
+        return report
+    return on_rank0(comm, judge)
