@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from torch.utils import _pytree as pytree
 
 from ..tensor import layout
+from ..tensor.aliasing import writes_operand
 from ..tensor.dispatch import UnsupportedOpError, op_name, register, register_attribute
 from ..tensor.domain_tensor import DomainTensor
 from .common import onto, output_layout, wrap
@@ -58,15 +59,6 @@ def _forms(names):
             yield f
 
 
-def _is_in_place(func, kwargs) -> bool:
-    name = getattr(func, "__name__", "")
-    if kwargs.get("inplace"):
-        return True
-    if name.startswith("__i") and name.endswith("__") and name not in ("__invert__",):
-        return True
-    return name.endswith("_") and not name.endswith("__")
-
-
 def _operands(args, kwargs):
     return [a for a in pytree.tree_leaves((args, kwargs)) if isinstance(a, torch.Tensor)]
 
@@ -82,7 +74,7 @@ def elementwise(func, args, kwargs):
     out_dec, out_shape = output_layout(func, _operands(args, kwargs))
     local_args = pytree.tree_map(lambda a: onto(a, out_dec), args)
     local_kwargs = pytree.tree_map(lambda a: onto(a, out_dec), kwargs)
-    if _is_in_place(func, kwargs):
+    if writes_operand(func, args, kwargs):
         target = args[0]
         if not isinstance(target, DomainTensor):
             raise UnsupportedOpError(

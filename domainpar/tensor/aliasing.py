@@ -106,7 +106,10 @@ def _inplace_position(func) -> int | None:
     return names.index("inplace") if "inplace" in names else None
 
 
-def _writes_operand(func, args, kwargs) -> bool:
+def writes_operand(func, args, kwargs) -> bool:
+    """Local. Whether the call writes into its first tensor operand: an in-place
+    method or operator (``add_``, ``+=``, ``__setitem__``), or ``inplace=True``
+    given by keyword or by position."""
     name = getattr(func, "__name__", "")
     if name in _IN_PLACE_DUNDERS:
         return True
@@ -127,7 +130,7 @@ def written(func, args, kwargs) -> list:
     kwargs = kwargs or {}
     out = [a for a in pytree.tree_leaves(kwargs.get("out")) if _domain(a)]
     first = _operand(args, kwargs)
-    if _domain(first) and _writes_operand(func, args, kwargs):
+    if _domain(first) and writes_operand(func, args, kwargs):
         out.insert(0, first)
     return out
 
