@@ -185,9 +185,11 @@ def test_normalize_matches_one_process(grid_ndim, kind, dim):
 
 
 def test_new_factories_give_plain_tensors():
+    """Other dims, or no dim left cut (a sharded dim resized to 1): plain tensors.
+    Same-ndim buffers are DomainTensors: tests/test_buffer_writes.py."""
     grid, shard, sizes = layout((4, 6), (1,), 1, "uneven")
     x = shard_like(global_tensor((4, 6), torch.float32), grid, shard, sizes)
-    for made in (x.new_zeros(3), x.new_ones((2, 2)), x.new_full((2,), 7.0),
+    for made in (x.new_zeros(3), x.new_ones((2, 1)), x.new_full((2,), 7.0),
                  x.new_tensor([1.0, 2.0]), x.new_empty(5)):
         assert type(made) is torch.Tensor and made.dtype == torch.float32
     assert torch.equal(x.new_full((2,), 7.0), torch.full((2,), 7.0))

@@ -371,8 +371,7 @@ def setitem(func, args, kwargs):
     DomainTensor (or plain tensor) of the full shape with a scalar value works too."""
     x, index, value = args[0], args[1], args[2]
     if not isinstance(x, DomainTensor):
-        raise UnsupportedOpError(f"{op_name(func)}: writing a DomainTensor into a plain tensor "
-                                 f"is not supported")
+        raise UnsupportedOpError(_plain_target_text(func, value))
     if isinstance(index, torch.Tensor) and index.dtype == torch.bool and \
             tuple(index.shape) == x._dec.global_shape:
         if isinstance(value, torch.Tensor) and value.numel() != 1:
@@ -422,6 +421,19 @@ def setitem(func, args, kwargs):
         value = onto(v, rdec)
     x._local[_local_region_index(x._dec, tuple(region_index), func)] = value
     return None
+
+
+def _plain_target_text(func, value) -> str:
+    """Why a DomainTensor cannot be written into a plain tensor, and the fix."""
+    if not isinstance(value, DomainTensor):
+        return (f"{op_name(func)}: assigning into a plain tensor indexed by a DomainTensor is "
+                f"not supported; index it with plain tensors")
+    return (f"{op_name(func)}: writing a DomainTensor ({layout.sharded_dims_text(value._dec)}) "
+            f"into a plain tensor is not supported: a plain "
+            f"tensor cannot become sharded in place, and filling it whole would gather the "
+            f"whole tensor on every rank. Allocate the buffer from the DomainTensor instead, "
+            f"e.g. out = x_ft.new_zeros(shape, dtype=...) (also new_empty, new_ones, "
+            f"new_full, zeros_like): it is then sharded like x_ft and the write stays local")
 
 
 def _drop_dims_dec(dec: Decomposition, drop):

@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 from torch.utils import _pytree as pytree
 
+from . import layout
 from .dispatch import UnsupportedOpError, op_name, register
 from .domain_tensor import DomainTensor
 
@@ -110,10 +111,48 @@ def _register_hook(func, args, kwargs):
     return self._local.register_hook(on_block)
 
 
-# -- factories on a tensor: plain tensors of the block's dtype and device ---------------------------
-@register(T.new_zeros, T.new_ones, T.new_full, T.new_empty, T.new_tensor)
-def _new(func, args, kwargs):
-    """``x.new_zeros(shape)`` and friends make a plain (replicated) tensor of the
-    shape asked for, as they would for any tensor: only dtype and device come
-    from ``x``."""
+# -- factories on a tensor ------------------------------------------------------------------------
+_SHAPED_FACTORIES = (T.new_zeros, T.new_ones, T.new_full, T.new_empty)
+
+
+@register(T.new_tensor)
+def _new_tensor(func, args, kwargs):
+    """Local. ``x.new_tensor(data)`` copies ``data``: a plain (replicated) tensor of
+    ``x``'s dtype and device, as for any tensor."""
     return func(args[0]._local, *pytree.tree_map(_unwrap, args[1:]), **kwargs)
+
+
+def _buffer_layout(dec, shape):
+    """The layout of a fresh ``shape`` buffer made from a tensor laid out by ``dec``
+    (same number of dims): each sharded dim of unchanged size keeps its grid axis
+    and blocks; one whose size changes to 1 is not cut (a broadcast dim); any other
+    changed size is cut anew, balanced, over the same axis. None when no dim is cut."""
+    shard, sizes = {}, {}
+    for d, axis in dec.shard.items():
+        if shape[d] == dec.global_shape[d]:
+            shard[d], sizes[d] = axis, dec.block_sizes(d)
+        elif shape[d] != 1:
+            shard[d] = axis  # no data to move: any blocks are right; balanced ones
+    return layout.derive(dec, shape, shard, sizes) if shard else None
+
+
+@register(*_SHAPED_FACTORIES)
+def _new(func, args, kwargs):
+    """Local. ``x.new_zeros(shape)``, ``new_ones``, ``new_full``, ``new_empty``: with as
+    many dims as ``x``, a DomainTensor of the global ``shape`` laid out like ``x``
+    (see ``_buffer_layout``), so that spectral layers' ``out = x_ft.new_zeros(...)``
+    followed by ``out[..., :m1, :m2] = x_ft[..., :m1, :m2] @ w`` stays sharded and
+    never gathers; with other dims, or no dim left cut, a plain (replicated) tensor.
+    Only dtype and device come from ``x``, as for any tensor."""
+    self, rest = args[0], list(pytree.tree_map(_unwrap, args[1:]))
+    kwargs = dict(kwargs)
+    # torch parses the size (varargs, a sequence or size=) on a meta tensor
+    meta = torch.empty((), dtype=self.dtype, device="meta")
+    shape = tuple(func(meta, *rest, **{k: v for k, v in kwargs.items()
+                                      if k not in ("device", "pin_memory")}).shape)
+    dec = _buffer_layout(self._dec, shape) if len(shape) == self._dec.ndim else None
+    if dec is None:
+        return func(self._local, *rest, **kwargs)
+    kwargs.pop("size", None)
+    fill = rest[1:] if func is T.new_full else []  # new_full(size, fill_value)
+    return DomainTensor(func(self._local, dec.local_shape(), *fill, **kwargs), dec)
