@@ -77,8 +77,10 @@ export OMP_NUM_THREADS ?= 1
 export DOMAINPAR_TEST_TIMEOUT := $(TEST_TIMEOUT)
 export DOMAINPAR_TEST_TOTAL_TIMEOUT := $(TEST_TOTAL_TIMEOUT)
 export MPIEXEC
-# For the demo's mpiexec: same settings tests/run_mpi.py gives its jobs
-# (containers run as root; 4 ranks on fewer cores). Keep the two in sync.
+# For the demo's and the coupling examples' mpiexec. The launch environment is
+# defined once, in domainpar/launch.py (LAUNCH_ENV), which domainpar's commands
+# and tests/run_mpi.py use; every VAR=value here must match it
+# (tests/test_layers.py checks).
 MPI_RUN_ENV := OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 \
 	OMPI_MCA_rmaps_base_oversubscribe=1
 

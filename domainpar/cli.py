@@ -2,7 +2,7 @@
 
 Each command family defines its own parser and runner in its own module
 (``bench/cli.py``, ...); this file builds the top level and relaunches under
-mpiexec.
+mpiexec (in the launch environment that ``launch.py`` defines).
 
 MPI is started only after argument parsing, so `--help` is instant and a
 benchmark asked for N ranks outside mpiexec can relaunch itself under mpiexec.
@@ -12,50 +12,14 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
-import os
-import shutil
 import subprocess
 import sys
+
+from .launch import mpiexec_env, mpiexec_path, under_launcher
 
 # The modules that add a command family: each has ``add_parser(subparsers)``
 # and imports torch and MPI only when its command runs.
 COMMAND_MODULES = ("domainpar.bench.cli", "domainpar.plan.cli", "domainpar.demo.cli")
-
-_LAUNCHER_VARS = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK", "SLURM_STEP_ID", "MPI_LOCALNRANKS")
-
-
-def positive(kind):
-    """argparse type: a number of ``kind`` greater than zero."""
-    def parse(text: str):
-        value = kind(text)
-        if value <= 0:
-            raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
-        return value
-    parse.__name__ = kind.__name__
-    return parse
-
-
-def under_launcher() -> bool:
-    return any(v in os.environ for v in _LAUNCHER_VARS)
-
-
-def mpiexec_path() -> str:
-    """The MPI launcher on PATH (exits with a message when there is none)."""
-    mpiexec = shutil.which("mpiexec") or shutil.which("mpirun")
-    if mpiexec is None:
-        sys.exit("domainpar: mpiexec not found; run this command under your MPI launcher")
-    return mpiexec
-
-
-def mpiexec_env() -> dict:
-    """The environment for a job this command launches."""
-    env = dict(os.environ)
-    env.setdefault("OMP_NUM_THREADS", "1")
-    env.setdefault("OMPI_MCA_rmaps_base_oversubscribe", "1")  # more ranks than cores is fine here
-    if os.geteuid() == 0:  # Open MPI refuses root unless told twice
-        env.setdefault("OMPI_ALLOW_RUN_AS_ROOT", "1")
-        env.setdefault("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
-    return env
 
 
 def _relaunch(nprocs: int) -> int:

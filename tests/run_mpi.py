@@ -32,6 +32,7 @@ a failure on rank 3 alone is caught even though only rank 0 is on the console.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import shlex
@@ -48,16 +49,23 @@ TIMEOUT_RCS = (124, 137)  # `timeout` fired (TERM, then KILL after -k)
 # Where the usual launchers put the global rank (Open MPI, PMIx, MPICH/Hydra, srun).
 RANK_VARS = ("OMPI_COMM_WORLD_RANK", "PMIX_RANK", "PMI_RANK", "SLURM_PROCID")
 
-# Set for the launched job only, never in the caller's shell. The caller's
-# values win, so a site can still choose its own.
+
+def _launch_module():
+    """domainpar/launch.py, loaded from its file: the one definition of the MPI
+    launch environment. Not through ``import domainpar``, which would bring in
+    mpi4py (and start MPI) in this launching process."""
+    spec = importlib.util.spec_from_file_location("_domainpar_launch",
+                                                  REPO / "domainpar" / "launch.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+# Set for the launched job only, never in the caller's shell; the caller's
+# values win, so a site can still choose its own. domainpar/launch.py's
+# LAUNCH_ENV (root allowed, oversubscription, one thread per rank), plus:
 CHILD_ENV = {
-    # CI containers run as root; Open MPI refuses that without both variables.
-    "OMPI_ALLOW_RUN_AS_ROOT": "1",
-    "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1",
-    # -n 4 on a 2-core machine is the normal case for these tests.
-    "OMPI_MCA_rmaps_base_oversubscribe": "1",
-    # N ranks x M torch threads on few cores only slows every rank down.
-    "OMP_NUM_THREADS": "1",
+    **_launch_module().LAUNCH_ENV,
     # Output must reach the logs even when pytest-timeout ends a rank with os._exit().
     "PYTHONUNBUFFERED": "1",
 }

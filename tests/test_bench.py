@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from domainpar import cli
+from domainpar import cli, launch
 
 ROOT = Path(__file__).resolve().parent.parent
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -21,7 +21,7 @@ PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 def _env():
     """The environment the CLI gives its own mpiexec jobs, with this checkout importable."""
-    return dict(cli.mpiexec_env(), PYTHONPATH=str(ROOT))
+    return dict(launch.mpiexec_env(), PYTHONPATH=str(ROOT))
 
 
 def _bench(tmp_path, name: str, *args: str):

@@ -28,7 +28,7 @@ import numpy as np
 import pytest
 import torch
 
-from domainpar import cli
+from domainpar import launch
 from domainpar.coupling import errors
 from native import BUILD, ROOT, cmake_build
 
@@ -53,7 +53,7 @@ def built():
 
 def mpiexec(exe, n, *args):
     """Run ``exe`` on ``n`` ranks with this interpreter's environment embedded."""
-    env = dict(cli.mpiexec_env(), DOMAINPAR_PYTHON=sys.executable, DOMAINPAR_SURROGATE=SURROGATE)
+    env = dict(launch.mpiexec_env(), DOMAINPAR_PYTHON=sys.executable, DOMAINPAR_SURROGATE=SURROGATE)
     proc = subprocess.run(["mpiexec", "-n", str(n), str(exe), *map(str, args)], env=env,
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout}\n{proc.stderr}"

@@ -28,8 +28,8 @@ import numpy as np
 import pytest
 import torch
 
-from domainpar import cli
 from domainpar.coupling import errors
+from domainpar.launch import mpiexec_env
 from native import BUILD, ROOT, cmake_build
 
 MODELS = ROOT / "kernels" / "coupling" / "tests" / "fault_models.py"
@@ -46,7 +46,7 @@ def driver():
 
 
 def launch(driver, tmp_path, case, n=2):
-    env = dict(cli.mpiexec_env(), DOMAINPAR_PYTHON=sys.executable, DOMAINPAR_FAULT_TIMEOUT="3")
+    env = dict(mpiexec_env(), DOMAINPAR_PYTHON=sys.executable, DOMAINPAR_FAULT_TIMEOUT="3")
     try:
         return subprocess.run(["mpiexec", "-n", str(n), str(driver), str(tmp_path), case, ENTRY],
                               env=env, capture_output=True, text=True, timeout=TIMEOUT)

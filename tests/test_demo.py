@@ -15,7 +15,7 @@ import torch
 from mpi4py import MPI
 
 import domainpar as dp
-from domainpar import cli
+from domainpar import launch
 from domainpar.demo.grayscott import Params, Solver, initial_blobs
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -29,7 +29,7 @@ TINY = ["--side", "16", "--trajectories", "2", "--pairs", "4", "--every", "20",
 
 def _demo(*args, timeout=180):
     return subprocess.run([sys.executable, "-m", "domainpar.cli", "demo", *args],
-                          env=dict(cli.mpiexec_env(), PYTHONPATH=str(ROOT)),
+                          env=dict(launch.mpiexec_env(), PYTHONPATH=str(ROOT)),
                           capture_output=True, text=True, timeout=timeout, cwd=ROOT)
 
 

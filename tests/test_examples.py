@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from domainpar import cli
+from domainpar import launch
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = ROOT / "examples"
@@ -24,12 +24,12 @@ TRAINING = ["unet3d.py", "transformer.py", "fno.py", "batch_x_domain.py"]
 
 def _env():
     """The environment the CLI gives its own mpiexec jobs, with this checkout importable."""
-    return dict(cli.mpiexec_env(), PYTHONPATH=str(ROOT))
+    return dict(launch.mpiexec_env(), PYTHONPATH=str(ROOT))
 
 
 def _run(ranks, script, *args, cwd=None):
     """The example's stdout; fails with its output when it exits non-zero."""
-    proc = subprocess.run([cli.mpiexec_path(), "-n", str(ranks), sys.executable,
+    proc = subprocess.run([launch.mpiexec_path(), "-n", str(ranks), sys.executable,
                            str(EXAMPLES / script), *map(str, args)],
                           env=_env(), cwd=cwd, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]

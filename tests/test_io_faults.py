@@ -33,7 +33,7 @@ import torch
 from mpi4py import MPI
 
 import domainpar as dp
-from domainpar import cli
+from domainpar import launch
 from domainpar.io import checkpoint
 from domainpar.testing import shard_like
 from io_cases import COMM, RANK, SIZE, fresh, mode, raises_everywhere, shared_dir  # noqa: F401
@@ -275,7 +275,7 @@ KILLS = 6
 
 
 def _job(directory: Path, ranks: int, io_mode: str) -> subprocess.Popen:
-    env = dict(cli.mpiexec_env(), PYTHONPATH=str(Path(__file__).resolve().parent.parent),
+    env = dict(launch.mpiexec_env(), PYTHONPATH=str(Path(__file__).resolve().parent.parent),
                DOMAINPAR_IO=io_mode)
     return subprocess.Popen(["mpiexec", "-n", str(ranks), sys.executable, WORKER, "save-loop",
                              str(directory)], env=env, stdout=subprocess.PIPE,

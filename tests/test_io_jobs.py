@@ -14,14 +14,14 @@ import pytest
 import torch
 
 import domainpar as dp
-from domainpar import cli
+from domainpar import launch
 
 ROOT = Path(__file__).resolve().parent.parent
 WORKER = str(Path(__file__).with_name("io_worker.py"))
 
 
 def _env(**extra):
-    return dict(cli.mpiexec_env(), PYTHONPATH=str(ROOT), **extra)
+    return dict(launch.mpiexec_env(), PYTHONPATH=str(ROOT), **extra)
 
 
 @pytest.mark.skipif(not os.path.exists("/proc/self/clear_refs"), reason="needs Linux's clear_refs")

@@ -23,7 +23,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from domainpar import cli
+from domainpar import cli, launch
 from domainpar.plan.grids import Grid, candidate_counts, factorizations
 from domainpar.plan.measure import (PlanError, constraints, ladder, load_factory, measure_grid,
                                     setup_from)
@@ -195,11 +195,11 @@ def _measured(entry, kwargs, shape, ranks, tmp_path) -> dict:
         return measure_grid(setup, ranks)
     out = tmp_path / f"measured-{math.prod(ranks)}.json"
     dims = [str(d) for d in range(2, len(shape))]
-    cmd = [cli.mpiexec_path(), "-n", str(math.prod(ranks)), sys.executable, "-m",
+    cmd = [launch.mpiexec_path(), "-n", str(math.prod(ranks)), sys.executable, "-m",
            "domainpar.plan.measure", entry, "--kwargs", json.dumps(kwargs),
            "--shape", *map(str, shape), "--dims", *dims, "--grid", *map(str, ranks),
            "--out", str(out)]
-    env = dict(cli.mpiexec_env(), PYTHONPATH=f"{ROOT}:{ROOT / 'tests'}")
+    env = dict(launch.mpiexec_env(), PYTHONPATH=f"{ROOT}:{ROOT / 'tests'}")
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(out.read_text())

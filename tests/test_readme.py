@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 
-from domainpar import cli
+from domainpar import launch
 from training import train
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -39,7 +39,7 @@ def test_quickstart_runs_on_four_ranks_with_one_process_numbers(tmp_path):
     script = tmp_path / "quickstart.py"
     script.write_text(_quickstart())
     proc = subprocess.run(["mpiexec", "-n", "4", sys.executable, str(script)],
-                          env=dict(cli.mpiexec_env(), PYTHONPATH=str(ROOT)),
+                          env=dict(launch.mpiexec_env(), PYTHONPATH=str(ROOT)),
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     rows = [line.split(maxsplit=2) for line in proc.stdout.splitlines()]

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 import domainpar as dp
-from domainpar import cli
+from domainpar import launch
 from domainpar.comm import runtime
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def mpiexec_env():
     """The environment the CLI gives its own mpiexec jobs, with this checkout importable."""
-    return dict(cli.mpiexec_env(), PYTHONPATH=str(ROOT))
+    return dict(launch.mpiexec_env(), PYTHONPATH=str(ROOT))
 
 
 def test_init_is_idempotent_without_mpiexec():

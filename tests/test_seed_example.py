@@ -8,14 +8,14 @@ import subprocess
 import sys
 from pathlib import Path
 
-from domainpar import cli
+from domainpar import launch
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
 def _env():
     """The environment the CLI gives its own mpiexec jobs, with this checkout importable."""
-    return dict(cli.mpiexec_env(), PYTHONPATH=str(ROOT))
+    return dict(launch.mpiexec_env(), PYTHONPATH=str(ROOT))
 
 
 def test_seed_example_on_two_ranks():

@@ -26,7 +26,7 @@ import torch.nn as nn
 from mpi4py import MPI
 
 import domainpar as dp
-from domainpar import cli
+from domainpar import launch
 from domainpar.testing import assert_matches_single_process, raises_on_every_rank
 
 COMM = MPI.COMM_WORLD
@@ -238,7 +238,7 @@ def _run_job(script, *args, timeout=60):
     """(exit status, stderr) of a 2-rank mpiexec job; a hang kills the job's process
     group and fails the test."""
     proc = subprocess.Popen(["mpiexec", "-n", "2", sys.executable, str(script), *args],
-                            env=dict(cli.mpiexec_env(), PYTHONPATH=str(ROOT)),
+                            env=dict(launch.mpiexec_env(), PYTHONPATH=str(ROOT)),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)
     try:

@@ -8,7 +8,7 @@ import argparse
 import os
 import sys
 
-from ..cli import positive, under_launcher
+from ..launch import positive, under_launcher
 from . import settings
 
 

@@ -435,7 +435,7 @@ def run(nprocs: int = 2, cases=("conv3d", "conv2d"), repeats: int = 7, memory_re
     """Launch the timing and memory jobs, print a summary, write JSON and PNG to
     ``out``. With ``compare``, each job again under configuration B's settings,
     A's and B's jobs alternating."""
-    from ..cli import mpiexec_env
+    from ..launch import mpiexec_env
     if nprocs < 2:
         raise SystemExit("domainpar bench conv compares N >= 2 ranks with one process: use -n 2 "
                          "or more")

@@ -19,7 +19,7 @@ def launch(module: str, nprocs: int, worker_args: list[str], result: Path,
     settings also go to the worker as ``--compare`` words, for it to apply
     in-process (``settings.applied``) what is read once, not from the
     environment at each use."""
-    from ..cli import mpiexec_env, mpiexec_path
+    from ..launch import mpiexec_env, mpiexec_path
     cmd = [mpiexec_path(), "-n", str(nprocs), sys.executable, "-m", module, *worker_args,
            *settings_module.as_args(settings), "--result", str(result)]
     full = settings_module.environment(settings, mpiexec_env())

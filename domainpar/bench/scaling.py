@@ -133,7 +133,7 @@ def run(nprocs: int | None = None, ranks=None, strong_shape=DEFAULT_STRONG_SHAPE
         modes=MODES, out: str = "bench-out/scaling.json", log=print, compare=None) -> dict:
     """Launch one job per rank count (and configuration, alternating A and B),
     print a table, write JSON and PNG to ``out``."""
-    from ..cli import mpiexec_env
+    from ..launch import mpiexec_env
     from ..progress import Progress
     from .jobs import launch
     from .output import write_json

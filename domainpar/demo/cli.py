@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from ..cli import positive
+from ..launch import positive
 
 DESCRIPTION = """\
 The main job, end to end, on N ranks (default 2; relaunches itself under mpiexec):

@@ -5,7 +5,7 @@ import argparse
 import json
 import sys
 
-from ..cli import positive
+from ..launch import positive
 from .units import parse_bytes
 
 DESCRIPTION = """\

@@ -163,7 +163,7 @@ def _why_none(rows) -> str:
 
 def _verify(args, setup: Setup, chosen, log) -> dict:
     """Run ``chosen``'s grid on the full field under mpiexec; measured against estimated."""
-    from ..cli import mpiexec_env, mpiexec_path
+    from ..launch import mpiexec_env, mpiexec_path
     if chosen is None:
         raise PlanError("--verify needs --ranks or a --memory budget that some grid fits")
     with tempfile.TemporaryDirectory() as tmp:
