@@ -1,6 +1,6 @@
 """domainpar: domain parallelism for scientific machine learning on MPI.
 
-The public face: re-exports only (see ../shared/DESIGN.md, "The public names").
+The public face: re-exports only (see docs/design.md, "The public names").
 The torch layers load on first use of one of their names, so code that needs
 only the MPI core (``domainpar.comm``) never imports torch.
 """

@@ -10,7 +10,8 @@ import; a name computed at run time cannot be seen here (``domainpar/__init__``
 loads its torch names that way, which is why it has a floor of its own).
 
 Also: the MPI launch environment is defined once (domainpar/launch.py) and
-tests/run_mpi.py and the Makefile's MPI_RUN_ENV agree with it.
+tests/run_mpi.py and the Makefile's MPI_RUN_ENV agree with it; the map's floor
+table is the order enforced here; nothing points to a map outside the repository.
 """
 from __future__ import annotations
 
@@ -189,3 +190,21 @@ def test_launch_environment_defined_once():
     assert {k: {**exported, **make_env}.get(k) for k in LAUNCH_ENV} == LAUNCH_ENV
     env = mpiexec_env({"OMP_NUM_THREADS": "4"})
     assert env == {**LAUNCH_ENV, "OMP_NUM_THREADS": "4"}  # the caller's values win
+
+
+def test_design_map_lists_the_floors_enforced_here():
+    """docs/design.md's floor table is FLOORS: the map and this test change together."""
+    text = (ROOT / "docs" / "design.md").read_text()
+    rows = re.findall(r"^\| (\d+) \| ([^|]+) \|", text, re.M)
+    listed = tuple(tuple(re.sub(r"domainpar/(__init__)\.py", r"\1", name).strip("`/ ")
+                         for name in cell.split(",")) for _, cell in rows)
+    assert [int(n) for n, _ in rows] == list(range(len(FLOORS)))
+    assert listed == FLOORS
+
+
+def test_no_reference_to_a_design_map_outside_the_repository():
+    old = "DESIGN" + ".md"  # the map's old name, outside the repository (../shared/)
+    files = [p for top in ("domainpar", "tests", "examples") for p in (ROOT / top).rglob("*.py")]
+    stale = [f"{p.relative_to(ROOT)}:{n}" for p in sorted(files) + [ROOT / "README.md"]
+             for n, line in enumerate(p.read_text().splitlines(), 1) if old in line]
+    assert not stale, f"point these to docs/design.md: {stale}"

@@ -89,7 +89,7 @@ def test_cli_bench_halo_relaunches_under_mpiexec(tmp_path):
 
 
 def test_comm_layer_never_imports_torch():
-    """DESIGN.md: comm/ is MPI and arrays only; torch must not come in with it."""
+    """docs/design.md: comm/ is MPI and arrays only; torch must not come in with it."""
     code = ("import sys, domainpar.comm, domainpar.bench.halo, domainpar.testing; "
             "assert 'torch' not in sys.modules, sorted(m for m in sys.modules if 'torch' in m)")
     proc = subprocess.run([sys.executable, "-c", code], env=mpiexec_env(), capture_output=True,

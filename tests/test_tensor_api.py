@@ -1,6 +1,6 @@
 """The DomainTensor API: dp.scatter, DomainTensor.from_local, to_local,
 full_tensor, redistribute, .grad, repr, the allow_gather() fallback, and bad
-input raising the same error on every rank (DESIGN.md, "Errors")."""
+input raising the same error on every rank (docs/design.md, "Errors")."""
 import pytest
 import torch
 from mpi4py import MPI

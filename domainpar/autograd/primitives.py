@@ -23,7 +23,7 @@ RingShift c -> c+s         the shift the other way, c -> c-s
 
 A value is *replicated* when every rank of the communicator holds the same
 copy; its gradient is one logical gradient, held (identically) by every rank,
-and never multiplied by the number of ranks (DESIGN.md, "Autograd semantics").
+and never multiplied by the number of ranks (docs/design.md, "Autograd semantics").
 Inner products for the adjoint tests count a replicated value once and a
 distributed one as the sum over blocks (``domainpar.testing.adjoint_test``).
 """

@@ -18,7 +18,7 @@ promise, as the ``halo`` option.
 
 Training: the loss is domainpar's global reduction over the owned outputs, so
 each rank's backward yields its partial parameter gradient; a hook on each
-parameter sums the partials over the grid (the true gradient, DESIGN.md).
+parameter sums the partials over the grid (the true gradient, docs/design.md).
 """
 from __future__ import annotations
 

@@ -13,7 +13,7 @@ backward goes on). At the end of backward (an autograd engine callback) the
 last buckets start, all are waited for, and the sums are added to ``.grad``.
 
 Why partials and not ``.grad`` (as DDP does): the true gradient is a SUM over
-ranks (DESIGN.md); summing ``.grad`` would also multiply by the number of
+ranks (docs/design.md); summing ``.grad`` would also multiply by the number of
 ranks whatever a parameter received from computations on replicated values
 (identical on every rank) and whatever ``.grad`` held before this backward.
 Only the partials are summed, so both stay exact.

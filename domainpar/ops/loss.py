@@ -8,7 +8,7 @@ out differently is repartitioned, a plain target is cut to the block; see
 rank, and 'mean' divides it by the same denominator torch uses, itself global:
 the element count, the sum of the weights (mse/l1 with ``weight``), or for
 class-index targets the sum of the class weights of the non-ignored targets.
-Backward follows DESIGN.md: the replicated loss's gradient reaches every block
+Backward follows docs/design.md: the replicated loss's gradient reaches every block
 whole (AllreduceSum's adjoint is the identity), so input gradients equal one
 process's. nn.MSELoss, nn.CrossEntropyLoss ... call these functions and work too.
 

@@ -5,7 +5,7 @@ Over unsharded dims a reduction is local and keeps the layout. Over sharded
 dims each rank reduces its block, the partial results are combined over the
 communicator of those dims' grid axes, and the result is replicated along them:
 a plain tensor when no sharded dim remains, else a DomainTensor sharded on the
-dims that remain. Backward follows DESIGN.md: a replicated result's gradient
+dims that remain. Backward follows docs/design.md: a replicated result's gradient
 is one logical gradient and reaches every block whole (AllreduceSum's adjoint
 is the identity).
 

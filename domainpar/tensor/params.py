@@ -2,7 +2,7 @@
 
 A replicated tensor used by every rank's block computation gets, on each rank,
 only a partial gradient; its true gradient is the sum of the partials over the
-grid axes along which the op's output is sharded (DESIGN.md, "Autograd
+grid axes along which the op's output is sharded (docs/design.md, "Autograd
 semantics"). ``enter_domain`` puts that sum into the graph: a Broadcast
 (backward: allreduce) over the axes along which the tensor is broadcast, and a
 Shard (backward: allgatherv) over the axes along which it is sliced to the

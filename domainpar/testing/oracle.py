@@ -1,6 +1,6 @@
 """Public helpers for users who add ops: a dot-product adjoint test for linear
 distributed maps, and a comparison of a model on sharded inputs with the same
-model run by one process on the whole tensors (the oracle, DESIGN.md)."""
+model run by one process on the whole tensors (the oracle, docs/design.md)."""
 from __future__ import annotations
 
 import copy
@@ -13,7 +13,7 @@ from ..comm.decomposition import Decomposition
 from ..comm.grid import ProcessGrid
 from ..tensor.domain_tensor import DomainTensor
 
-# Default tolerances (relative, absolute) per dtype: DESIGN.md's oracle.
+# Default tolerances (relative, absolute) per dtype: docs/design.md's oracle.
 TOLERANCES = {torch.float64: (1e-10, 1e-12), torch.complex128: (1e-10, 1e-12),
               torch.float32: (1e-5, 1e-6), torch.complex64: (1e-5, 1e-6)}
 
