@@ -31,6 +31,26 @@ LAUNCH_ENV = {
     "OMP_NUM_THREADS": "1",
 }
 
+# Transports a job can be limited to, as Open MPI 4.1 MCA variables (set for the
+# job only; the caller's values win, as for LAUNCH_ENV). "default" leaves the
+# choice to Open MPI: shared memory between ranks of one node. "tcp" is its TCP
+# byte transfer layer alone over the loopback interface, shared memory (vader)
+# off and ob1 as the messaging layer so UCX (which has its own shared memory)
+# cannot take over: one machine standing in for the network between nodes, so
+# the code path that clusters use runs here. ``tests/run_mpi.py --transport tcp``
+# and the Makefile's mpi-tcp stage use it; for any other job (``domainpar bench
+# halo``/``grads``) put these variables in its environment, e.g.
+#   env OMPI_MCA_btl=tcp,self OMPI_MCA_btl_tcp_if_include=lo OMPI_MCA_pml=ob1 \
+#       domainpar bench halo -n 2
+TRANSPORTS = {
+    "default": {},
+    "tcp": {
+        "OMPI_MCA_btl": "tcp,self",
+        "OMPI_MCA_btl_tcp_if_include": "lo",
+        "OMPI_MCA_pml": "ob1",
+    },
+}
+
 # Set in every rank's environment by the usual launchers (Open MPI, MPICH/Hydra
 # and PMI, PMIx, srun, Intel MPI).
 LAUNCHER_VARS = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK", "SLURM_STEP_ID",
@@ -43,6 +63,15 @@ def mpiexec_env(base: dict | None = None) -> dict:
     set a variable."""
     env = dict(os.environ if base is None else base)
     for key, value in LAUNCH_ENV.items():
+        env.setdefault(key, value)
+    return env
+
+
+def transport_env(name: str, base: dict | None = None) -> dict:
+    """Local. ``mpiexec_env(base)`` with the variables of ``TRANSPORTS[name]``
+    added where ``base`` does not set them."""
+    env = mpiexec_env(base)
+    for key, value in TRANSPORTS[name].items():
         env.setdefault(key, value)
     return env
 

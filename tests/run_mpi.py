@@ -3,9 +3,10 @@
 
     python tests/run_mpi.py -n 4 [runner options] [pytest args...]
     python tests/run_mpi.py -n 2 tests/test_halo.py -x
+    python tests/run_mpi.py -n 2 --transport tcp tests/test_halo.py -k fill
 
 Rank 0 prints to the console. Ranks 1..N-1 write their output to
-build/test-logs/n<N>/rank<r>.log; when the run fails, the logs of the failing
+build/test-logs/n<N>/rank<r>.log (n<N>-<transport>/ with --transport); when the run fails, the logs of the failing
 ranks are printed after rank 0's output, each under a header naming the rank.
 Every rank also writes each test failure to its log as it happens (rank 0 to
 rank0.log), so the cause survives when the job is killed before pytest's
@@ -61,11 +62,13 @@ def _launch_module():
     return module
 
 
+LAUNCH = _launch_module()
+
 # Set for the launched job only, never in the caller's shell; the caller's
 # values win, so a site can still choose its own. domainpar/launch.py's
 # LAUNCH_ENV (root allowed, oversubscription, one thread per rank), plus:
 CHILD_ENV = {
-    **_launch_module().LAUNCH_ENV,
+    **LAUNCH.LAUNCH_ENV,
     # Output must reach the logs even when pytest-timeout ends a rank with os._exit().
     "PYTHONUNBUFFERED": "1",
 }
@@ -158,8 +161,14 @@ def _parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
         help="launcher command, given `-n N` (default %(default)r, env MPIEXEC; "
         "e.g. 'srun --mpi=pmix')")
     parser.add_argument(
+        "--transport", choices=sorted(LAUNCH.TRANSPORTS), default="default",
+        help="Open MPI transport for the job (domainpar/launch.py, TRANSPORTS): "
+        "'tcp' is TCP alone over the loopback interface, no shared memory, a "
+        "stand-in for a network between nodes (default: Open MPI's choice)")
+    parser.add_argument(
         "--log-dir", type=Path,
-        help="where ranks 1..N-1 log (default build/test-logs/n<N>)")
+        help="where ranks 1..N-1 log (default build/test-logs/n<N>, "
+        "n<N>-<transport> with --transport)")
     parser.add_argument(
         "--log-tail", type=int, default=200, metavar="LINES",
         help="lines of each failing rank's log to print (default %(default)s)")
@@ -167,7 +176,8 @@ def _parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     if args.np < 1:
         parser.error("-n must be at least 1")
     if args.log_dir is None:
-        args.log_dir = REPO / "build" / "test-logs" / f"n{args.np}"
+        tail = "" if args.transport == "default" else f"-{args.transport}"
+        args.log_dir = REPO / "build" / "test-logs" / f"n{args.np}{tail}"
     return args, pytest_args
 
 
@@ -244,15 +254,16 @@ def main(argv: list[str]) -> int:
         "--", *pytest_args,
     ]
     env = dict(os.environ)
-    for key, value in CHILD_ENV.items():
+    for key, value in {**CHILD_ENV, **LAUNCH.TRANSPORTS[args.transport]}.items():
         env.setdefault(key, value)
     # For tests/conftest.py: the run's size and where the other ranks log.
     env["DOMAINPAR_TEST_NP"] = str(n)
     env["DOMAINPAR_TEST_LOG_DIR"] = str(log_dir)
 
     others = "rank 1 logs" if n == 2 else f"ranks 1..{n - 1} log"
-    print(f"run_mpi: {n} ranks; {others} to {_rel(log_dir)}/" if n > 1 else "run_mpi: 1 rank",
-          flush=True)
+    over = "" if args.transport == "default" else f" over {args.transport}"
+    print(f"run_mpi: {n} ranks{over}; {others} to {_rel(log_dir)}/" if n > 1
+          else f"run_mpi: 1 rank{over}", flush=True)
     t0 = time.monotonic()
     # `timeout` runs the job in a process group of its own and signals that
     # whole group, so no rank survives it. stdin: nothing for mpiexec to forward.
