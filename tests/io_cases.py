@@ -1,6 +1,6 @@
 """Shared pieces of the dp.io tests: a directory every rank agrees on, the io
-modes to run (mpio and the forced serial fallback), and checks that fail on
-every rank when any rank's check failed."""
+modes to run (mpio and the forced serial fallback), and the global-tensor
+oracle of a block read with ghosts."""
 from __future__ import annotations
 
 import os
@@ -43,28 +43,6 @@ def fresh(directory: str, stem: str) -> str:
     """A file name not used before in this run (the same on every rank)."""
     _count[0] += 1
     return os.path.join(directory, f"{stem}-{_count[0]}.h5")
-
-
-def everywhere(ok: bool, what, comm=COMM) -> None:
-    """Collective. Fail on every rank when any rank's check failed."""
-    stories = comm.allgather(None if ok else f"rank {comm.Get_rank()}: {what}")
-    assert not any(stories), [s for s in stories if s]
-
-
-def raises_everywhere(fn, exc_type, *words, comm=COMM) -> str:
-    """Collective. ``fn()`` raises ``exc_type`` on every rank with the same message,
-    which holds ``words``."""
-    try:
-        fn()
-        message = None
-    except exc_type as exc:
-        message = str(exc)
-    stories = comm.allgather(message)
-    assert all(m is not None for m in stories), f"not raised on ranks {stories}"
-    assert len(set(stories)) == 1, stories
-    for w in words:
-        assert w in stories[0], stories[0]
-    return stories[0]
 
 
 def expected_padded(g: torch.Tensor, dec, widths, wraps, fill=0, base=None) -> torch.Tensor:

@@ -56,16 +56,3 @@ def global_tensor(shape, dtype=torch.float64, seed=0):
     g = torch.Generator().manual_seed(seed)
     return torch.randn(shape, generator=g, dtype=torch.float64).to(dtype)
 
-
-def raises_everywhere(fn, *words):
-    """Collective. ``fn()`` raises UnsupportedOpError on every rank, with ``words``
-    in the message; the allgather makes a rank that did not raise fail every rank."""
-    try:
-        fn()
-        message = None
-    except dp.UnsupportedOpError as exc:
-        message = str(exc)
-    stories = COMM.allgather(message)
-    assert all(m is not None for m in stories), f"not refused on ranks {stories}"
-    for w in words:
-        assert w in stories[0], stories[0]

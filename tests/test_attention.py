@@ -23,8 +23,9 @@ from mpi4py import MPI
 import domainpar as dp
 from domainpar import autograd as ag
 from domainpar.ops import attention as A
-from domainpar.testing import adjoint_test, assert_matches_single_process, shard_like
-from tensor_cases import SIZE, global_tensor, raises_everywhere, sizes_for
+from domainpar.testing import (adjoint_test, assert_matches_single_process, raises_on_every_rank,
+                               shard_like)
+from tensor_cases import SIZE, global_tensor, sizes_for
 
 pytestmark = pytest.mark.mpi
 
@@ -289,32 +290,39 @@ def test_refusals():
     q = shard_like(global_tensor((2, 2, 8, 4)), grid, {2: 0})
     k = shard_like(global_tensor((2, 2, 8, 4), seed=2), grid, {2: 0})
     sdpa = F.scaled_dot_product_attention
-    raises_everywhere(lambda: sdpa(q, k, k, dropout_p=0.1), "dropout_p=0.1")
-    raises_everywhere(lambda: sdpa(q, k, k, attn_mask=q), "attn_mask", "plain")
-    raises_everywhere(lambda: sdpa(q, k, k, attn_mask=torch.zeros(8, 8, dtype=F64,
-                                                                  requires_grad=True)),
-                      "requires grad")
+    raises_on_every_rank(dp.UnsupportedOpError, ["dropout_p=0.1"],
+                         lambda: sdpa(q, k, k, dropout_p=0.1))
+    raises_on_every_rank(dp.UnsupportedOpError, ["attn_mask", "plain"],
+                         lambda: sdpa(q, k, k, attn_mask=q))
+    raises_on_every_rank(dp.UnsupportedOpError, ["requires grad"],
+                         lambda: sdpa(q, k, k, attn_mask=torch.zeros(8, 8, dtype=F64,
+                                                                     requires_grad=True)))
     kb = shard_like(global_tensor((1, 2, 8, 4), seed=2), grid, {2: 0})
-    raises_everywhere(lambda: sdpa(q, kb, kb), "leading dims")
+    raises_on_every_rank(dp.UnsupportedOpError, ["leading dims"], lambda: sdpa(q, kb, kb))
     if grid.dims[0] > 1:  # heads cut into blocks that split a GQA group
         qh = shard_like(global_tensor((1, 6, 5, 4)), dp.ProcessGrid((SIZE,)), {1: 0},
                         sizes={1: [1] + [5 // (SIZE - 1) + (i < 5 % (SIZE - 1))
                                          for i in range(SIZE - 1)]})
         kh = global_tensor((1, 3, 5, 4), seed=2)
-        raises_everywhere(lambda: sdpa(qh, kh, kh, enable_gqa=True), "whole groups")
+        raises_on_every_rank(dp.UnsupportedOpError, ["whole groups"],
+                             lambda: sdpa(qh, kh, kh, enable_gqa=True))
 
     x = shard_like(global_tensor((8, 2, 4)), grid, {0: 0})
     mha = nn.MultiheadAttention(4, 2).double()
-    raises_everywhere(lambda: mha(x, x, x), "need_weights=False")
-    raises_everywhere(lambda: nn.MultiheadAttention(4, 2, dropout=0.5).double()(
-        x, x, x, need_weights=False), "dropout=0.5")
-    raises_everywhere(lambda: nn.MultiheadAttention(4, 2, add_bias_kv=True).double()(
-        x, x, x, need_weights=False), "add_bias_kv")
-    raises_everywhere(lambda: nn.MultiheadAttention(4, 2, add_zero_attn=True).double()(
-        x, x, x, need_weights=False), "add_zero_attn")
+    raises_on_every_rank(dp.UnsupportedOpError, "need_weights=False", lambda: mha(x, x, x))
+    raises_on_every_rank(dp.UnsupportedOpError, ["dropout=0.5"],
+                         lambda: nn.MultiheadAttention(4, 2, dropout=0.5).double()(
+                             x, x, x, need_weights=False))
+    raises_on_every_rank(dp.UnsupportedOpError, "add_bias_kv",
+                         lambda: nn.MultiheadAttention(4, 2, add_bias_kv=True).double()(
+                             x, x, x, need_weights=False))
+    raises_on_every_rank(dp.UnsupportedOpError, "add_zero_attn",
+                         lambda: nn.MultiheadAttention(4, 2, add_zero_attn=True).double()(
+                             x, x, x, need_weights=False))
     xe = shard_like(global_tensor((3, 2, 4 * SIZE)), grid, {2: 0})
-    raises_everywhere(lambda: nn.MultiheadAttention(4 * SIZE, 2).double()(
-        xe, xe, xe, need_weights=False), "embedding dim")
+    raises_on_every_rank(dp.UnsupportedOpError, ["embedding dim"],
+                         lambda: nn.MultiheadAttention(4 * SIZE, 2).double()(
+                             xe, xe, xe, need_weights=False))
 
 
 def test_torch_errors_come_first():

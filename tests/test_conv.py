@@ -15,8 +15,10 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from domainpar.testing import adjoint_test, assert_matches_single_process, shard_like
-from tensor_cases import COMM, SIZE, global_tensor, layout, raises_everywhere
+from domainpar import UnsupportedOpError
+from domainpar.testing import (adjoint_test, assert_matches_single_process, raises_on_every_rank,
+                               shard_like)
+from tensor_cases import COMM, SIZE, global_tensor, layout
 
 pytestmark = pytest.mark.mpi
 
@@ -222,15 +224,18 @@ def test_refusals():
     x = shard_like(global_tensor((2, 4, 8, 8)), grid, shard, sizes)
     w = global_tensor((4, 4, 3, 3))
     if 1 in shard:  # the channel dim is cut when the grid has an axis for it
-        raises_everywhere(lambda: F.conv2d(x, w, padding=1), "channel dim 1")
+        raises_on_every_rank(UnsupportedOpError, ["channel dim 1"],
+                             lambda: F.conv2d(x, w, padding=1))
     grid, shard, sizes = layout((4, 8, 8), (1,), 1, "even")
     x3 = shard_like(global_tensor((4, 8, 8)), grid, shard, sizes)
-    raises_everywhere(lambda: F.conv2d(x3, w, padding=1), "batched input")
+    raises_on_every_rank(UnsupportedOpError, ["batched input"], lambda: F.conv2d(x3, w, padding=1))
     x4 = shard_like(global_tensor((2, 4, 8, 8)), grid, {2: 0}, None)
     wd = shard_like(w, grid, {0: 0}, None) if SIZE > 1 else None
     if wd is not None:
-        raises_everywhere(lambda: F.conv2d(x4, wd), "weight must be a plain")
-    raises_everywhere(lambda: F.pad(x4, (0, 0, -1, 0)), "negative padding")
+        raises_on_every_rank(UnsupportedOpError, ["weight must be a plain"],
+                             lambda: F.conv2d(x4, wd))
+    raises_on_every_rank(UnsupportedOpError, ["negative padding"],
+                         lambda: F.pad(x4, (0, 0, -1, 0)))
 
 
 def test_torch_errors_on_every_rank():

@@ -11,8 +11,9 @@ import torch
 import domainpar as dp
 from domainpar import autograd as ag
 from domainpar.tensor import layout as lay
-from domainpar.testing import adjoint_test, assert_matches_single_process, shard_like
-from tensor_cases import CASES, DTYPES, global_tensor, raises_everywhere
+from domainpar.testing import (adjoint_test, assert_matches_single_process, raises_on_every_rank,
+                               shard_like)
+from tensor_cases import CASES, DTYPES, global_tensor
 from tensor_cases import layout as _layout
 
 pytestmark = pytest.mark.mpi
@@ -120,7 +121,8 @@ def test_indexing_matches_one_process(k, case, dtype):
     if INDEXES[k] is INDEX_LIST and case[0] == 3:
         # dim 1 is sharded on a 3-D grid: an index list there is refused
         x = sharded(case, dtype)
-        raises_everywhere(lambda: INDEXES[k](x), "Tensor.__getitem__", "dim 1")
+        raises_on_every_rank(dp.UnsupportedOpError, ["Tensor.__getitem__", "dim 1"],
+                             lambda: INDEXES[k](x))
         return
     check(INDEXES[k], case, dtype)
 
@@ -152,10 +154,12 @@ def test_advanced_index_on_unsharded_dims(case, dtype):
 def test_advanced_index_on_sharded_dims_is_refused():
     for case in CASES:
         x = sharded(case)
-        raises_everywhere(lambda: x[:, :, torch.tensor([0, 3])], "Tensor.__getitem__", "dim 2")
-        raises_everywhere(lambda: x[:, :, [1, 2]], "sharded dims [2]")
-        raises_everywhere(lambda: x[torch.ones(2, 5, dtype=torch.bool)], "Tensor.__getitem__")
-        raises_everywhere(lambda: x[x > 0], "Tensor.__getitem__")
+        raises_on_every_rank(dp.UnsupportedOpError, ["Tensor.__getitem__", "dim 2"],
+                             lambda: x[:, :, torch.tensor([0, 3])])
+        raises_on_every_rank(dp.UnsupportedOpError, ["sharded dims [2]"], lambda: x[:, :, [1, 2]])
+        raises_on_every_rank(dp.UnsupportedOpError, ["Tensor.__getitem__"],
+                             lambda: x[torch.ones(2, 5, dtype=torch.bool)])
+        raises_on_every_rank(dp.UnsupportedOpError, ["Tensor.__getitem__"], lambda: x[x > 0])
 
 
 # -- assignment ---------------------------------------------------------------------------------
@@ -208,8 +212,8 @@ def test_setitem_matches_one_process(k, case, dtype):
 def test_setitem_with_index_tensor_is_refused():
     for case in CASES:
         x = sharded(case).detach()
-        raises_everywhere(lambda: x.__setitem__((slice(None), [0, 1]), 1.0),
-                          "Tensor.__setitem__")
+        raises_on_every_rank(dp.UnsupportedOpError, ["Tensor.__setitem__"],
+                             lambda: x.__setitem__((slice(None), [0, 1]), 1.0))
 
 
 # -- split / chunk / unbind ------------------------------------------------------------------------
@@ -263,7 +267,8 @@ def test_flip_reverses_block_sizes_and_roll_keeps_the_layout(case):
 def test_roll_without_dims_is_refused_on_sharded_tensors():
     for case in CASES:
         x = sharded(case)
-        raises_everywhere(lambda: torch.roll(x, 3), "torch.roll", "dim 2")
+        raises_on_every_rank(dp.UnsupportedOpError, ["torch.roll", "dim 2"],
+                             lambda: torch.roll(x, 3))
 
 
 @pytest.mark.parametrize("case,dtype", COMBOS, ids=COMBO_IDS)

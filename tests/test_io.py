@@ -14,9 +14,9 @@ import torch.nn.functional as F
 
 import domainpar as dp
 from domainpar.io import blocks, files
-from domainpar.testing import shard_like
-from io_cases import (COMM, MODES, RANK, SIZE, everywhere, expected_padded,  # noqa: F401
-                      fresh, mode, raises_everywhere, shared_dir)
+from domainpar.testing import check_on_every_rank, raises_on_every_rank, shard_like
+from io_cases import (COMM, MODES, RANK, SIZE, expected_padded,  # noqa: F401
+                      fresh, mode, shared_dir)
 from tensor_cases import CASES, global_tensor, layout
 
 pytestmark = pytest.mark.mpi
@@ -54,7 +54,7 @@ def test_write_then_read_blocks_and_halos(shared_dir, mode, grid_ndim, kind):
             own = g[index:index + 1] if index is not None else g
             if not torch.equal(h.block.to_local(), own[dec.local_slices()]):
                 problems.append(f"owned block, halo {halo} index {index}")
-    everywhere(not problems, problems)
+    check_on_every_rank(not problems, problems)
 
 
 def test_written_file_is_one_global_array(shared_dir, mode):
@@ -79,7 +79,7 @@ def test_written_file_is_one_global_array(shared_dir, mode):
             with dp.io.ShardedDataset(path, "u", grid=grid, shard=shard, sizes=sizes) as ds:
                 ok &= all(torch.equal(x.to_local(), -g[k:k + 1][x.decomposition.local_slices()])
                           for k, x in enumerate(ds))
-    everywhere(ok, "rank 0's h5py view of the file, the other mode's read")
+    check_on_every_rank(ok, "rank 0's h5py view of the file, the other mode's read")
 
 
 DTYPES = (torch.float16, torch.float32, torch.float64, torch.bfloat16, torch.int8, torch.int32,
@@ -104,7 +104,7 @@ def test_dtypes_round_trip(shared_dir, mode):
         if f is not None and (f["bfloat16"].dtype != np.uint16
                               or f["bfloat16"].attrs["domainpar_dtype"] != "bfloat16"):
             problems.append("bfloat16 is stored as uint16 with domainpar_dtype='bfloat16'")
-    everywhere(not problems, problems)
+    check_on_every_rank(not problems, problems)
 
 
 class _nothing:
@@ -146,7 +146,7 @@ def test_fortran_ordered_datasets(shared_dir, mode):
     back = dp.io.read(path, "written", grid, {2: 0})
     if not torch.equal(back.to_local(), g[back.decomposition.local_slices()]):
         problems.append("read of write(order='F')")
-    everywhere(not problems, problems)
+    check_on_every_rank(not problems, problems)
 
 
 def test_compressed_chunked_write(shared_dir, mode):
@@ -168,7 +168,7 @@ def test_compressed_chunked_write(shared_dir, mode):
                     if os.path.exists(part):
                         with h5py.File(part, "r") as p:
                             ok &= p["u"].compression == "gzip"
-    everywhere(ok, "compressed round trip")
+    check_on_every_rank(ok, "compressed round trip")
 
 
 def test_overwrite_and_mismatch(shared_dir, mode):
@@ -176,17 +176,17 @@ def test_overwrite_and_mismatch(shared_dir, mode):
     g = global_tensor((1, 2, 3 * SIZE), torch.float32, seed=1)
     path = fresh(shared_dir, "over")
     dp.io.write(path, "u", shard_like(g, grid, {2: 0}))
-    raises_everywhere(lambda: dp.io.write(path, "u", shard_like(g, grid, {2: 0})),
-                      dp.io.DataError, "exists", "overwrite=True")
-    raises_everywhere(lambda: dp.io.write(path, "u", shard_like(g.double(), grid, {2: 0}),
-                                          overwrite=True),
-                      dp.io.DataError, "holds torch.float32", "torch.float64")
-    raises_everywhere(lambda: dp.io.write(path, "u", shard_like(g[:, :1], grid, {2: 0}),
-                                          overwrite=True),
-                      dp.io.DataError, "shape (1, 2,")
+    raises_on_every_rank(dp.io.DataError, ["exists", "overwrite=True"],
+                         lambda: dp.io.write(path, "u", shard_like(g, grid, {2: 0})))
+    raises_on_every_rank(dp.io.DataError, ["holds torch.float32", "torch.float64"],
+                         lambda: dp.io.write(path, "u", shard_like(g.double(), grid, {2: 0}),
+                                             overwrite=True))
+    raises_on_every_rank(dp.io.DataError, ["shape (1, 2,"],
+                         lambda: dp.io.write(path, "u", shard_like(g[:, :1], grid, {2: 0}),
+                                             overwrite=True))
     dp.io.write(path, "u", shard_like(2 * g, grid, {2: 0}), overwrite=True)
     back = dp.io.read(path, "u", grid, {2: 0})
-    everywhere(torch.equal(back.to_local(), (2 * g)[back.decomposition.local_slices()]),
+    check_on_every_rank(torch.equal(back.to_local(), (2 * g)[back.decomposition.local_slices()]),
                "overwritten values")
 
 
@@ -214,7 +214,7 @@ def test_halo_block_is_what_halo_exchange_and_conv_see(shared_dir, mode):
     local = F.conv2d(h.padded, w)
     mine = whole[(slice(None), slice(None)) + h.block.decomposition.local_slices()[2:]]
     ok &= torch.allclose(local, mine, rtol=1e-12, atol=1e-12)
-    everywhere(ok, "halo fill / conv")
+    check_on_every_rank(ok, "halo fill / conv")
 
 
 # -- bad input: the same error on every rank ----------------------------------------------------
@@ -225,18 +225,20 @@ def test_bad_input_raises_the_same_error_everywhere(shared_dir, mode):
     dp.io.write(path, "u", shard_like(g, grid, {2: 0}))
     dp.io.write(path, "grp/v", shard_like(g, grid, {2: 0}))
     E, L = dp.io.DataError, dp.LayoutError
-    raises_everywhere(lambda: dp.io.read(path + ".nope", "u", grid, {2: 0}), E, "no such file")
-    raises_everywhere(lambda: dp.io.read(path, "w", grid, {2: 0}), E, "no dataset 'w'",
-                      "grp, u")
-    raises_everywhere(lambda: dp.io.read(path, "grp", grid, {2: 0}), E, "is a group")
-    raises_everywhere(lambda: dp.io.read(path, "u", grid, {3: 0}), L, "dim 3", "3 dims")
-    raises_everywhere(lambda: dp.io.read(path, "u", grid, {2: 0}, sizes={2: [1] * SIZE}), L,
-                      f"sum to its global size {2 * SIZE + 1}")
-    raises_everywhere(lambda: dp.io.read(path, "u", grid, {2: 0}, index=2), L, "out of range")
-    raises_everywhere(lambda: dp.io.read(path, "u", grid, {2: 0}, dtype=torch.float64), E,
-                      "holds torch.float32", "torch.float64")
-    raises_everywhere(lambda: dp.io.read(path, "u", grid, {2: 0}, halo={2: 2 * SIZE + 2},
-                                         periodic={2: True}), L, "wraps more than once")
+    raises_on_every_rank(E, ["no such file"],
+                         lambda: dp.io.read(path + ".nope", "u", grid, {2: 0}))
+    raises_on_every_rank(E, ["no dataset 'w'", "grp, u"],
+                         lambda: dp.io.read(path, "w", grid, {2: 0}))
+    raises_on_every_rank(E, ["is a group"], lambda: dp.io.read(path, "grp", grid, {2: 0}))
+    raises_on_every_rank(L, ["dim 3", "3 dims"], lambda: dp.io.read(path, "u", grid, {3: 0}))
+    raises_on_every_rank(L, [f"sum to its global size {2 * SIZE + 1}"],
+                         lambda: dp.io.read(path, "u", grid, {2: 0}, sizes={2: [1] * SIZE}))
+    raises_on_every_rank(L, ["out of range"], lambda: dp.io.read(path, "u", grid, {2: 0}, index=2))
+    raises_on_every_rank(E, ["holds torch.float32", "torch.float64"],
+                         lambda: dp.io.read(path, "u", grid, {2: 0}, dtype=torch.float64))
+    raises_on_every_rank(L, ["wraps more than once"],
+                         lambda: dp.io.read(path, "u", grid, {2: 0}, halo={2: 2 * SIZE + 2},
+                                            periodic={2: True}))
     # Truncated and corrupt files (and, serial fallback, a missing part file).
     broken = fresh(shared_dir, "broken")
     if RANK == 0:
@@ -248,15 +250,16 @@ def test_bad_input_raises_the_same_error_everywhere(shared_dir, mode):
         with open(broken + ".garbage", "wb") as dst:
             dst.write(os.urandom(4096))
     COMM.Barrier()
-    raises_everywhere(lambda: dp.io.read(broken, "u", grid, {2: 0}), E, "truncated")
-    raises_everywhere(lambda: dp.io.read(broken + ".garbage", "u", grid, {2: 0}), E,
-                      "not a readable HDF5 file")
+    raises_on_every_rank(E, "truncated", lambda: dp.io.read(broken, "u", grid, {2: 0}))
+    raises_on_every_rank(E, ["not a readable HDF5 file"],
+                         lambda: dp.io.read(broken + ".garbage", "u", grid, {2: 0}))
     # Arguments that differ between ranks.
-    raises_everywhere(lambda: dp.io.read(path, "u", grid, {2: 0}, halo=RANK if SIZE > 1 else "x"),
-                      L)
+    raises_on_every_rank(L, "",
+                         lambda: dp.io.read(path, "u", grid, {2: 0},
+                                            halo=RANK if SIZE > 1 else "x"))
     if mode == "serial":
         if RANK == 0:
             os.remove(f"{path}.rank{SIZE - 1}.h5")
         COMM.Barrier()
-        raises_everywhere(lambda: dp.io.read(path, "u", grid, {2: 0}), E,
-                          f"rank{SIZE - 1}.h5: no such file")
+        raises_on_every_rank(E, [f"rank{SIZE - 1}.h5: no such file"],
+                             lambda: dp.io.read(path, "u", grid, {2: 0}))

@@ -14,9 +14,8 @@ import torch
 import torch.nn.functional as F
 
 import domainpar as dp
-from domainpar.testing import shard_like
-from io_cases import (COMM, RANK, SIZE, everywhere, fresh, mode,  # noqa: F401
-                      raises_everywhere, shared_dir)
+from domainpar.testing import check_on_every_rank, raises_on_every_rank, shard_like
+from io_cases import COMM, RANK, SIZE, fresh, mode, shared_dir  # noqa: F401
 from tensor_cases import global_tensor, layout
 
 pytestmark = pytest.mark.mpi
@@ -94,7 +93,7 @@ def test_round_trip_on_the_same_ranks(shared_dir, mode):
             sources = {s.file_name for s in x_set.virtual_sources()} if x_set.is_virtual else set()
         if {os.path.basename(p) for p in left} != sources:
             problems.append(f"left over {left}, referenced {sources}")
-    everywhere(not problems, problems)
+    check_on_every_rank(not problems, problems)
 
 
 @pytest.mark.skipif(SIZE != 4, reason="saves on a 2x2 grid of 4 ranks")
@@ -127,7 +126,7 @@ def test_saved_on_2x2_continues_on_2_ranks_and_on_1(shared_dir, mode):
     _train(restarted, opt2, ck.tensors["x"], ck.tensors["t"], 3)
     problems += _same_state(_state(restarted, opt2), uninterrupted)
     sub.Free()
-    everywhere(not problems, problems)
+    check_on_every_rank(not problems, problems)
 
 
 def test_broken_checkpoints(shared_dir, mode):
@@ -137,10 +136,11 @@ def test_broken_checkpoints(shared_dir, mode):
     x = shard_like(global_tensor((1, 1, 4 * SIZE)), grid, {2: 0})
     dp.io.save_checkpoint(path, model, tensors={"x": x})
     E = dp.io.DataError
-    raises_everywhere(lambda: dp.io.load_checkpoint(path + ".nope", model, grid=grid), E,
-                      "no such file")
-    raises_everywhere(lambda: dp.io.load_checkpoint(path, model, torch.optim.SGD(
-        model.parameters(), lr=1), grid=grid), E, "holds no optimizer state")
+    raises_on_every_rank(E, ["no such file"],
+                         lambda: dp.io.load_checkpoint(path + ".nope", model, grid=grid))
+    raises_on_every_rank(E, ["holds no optimizer state"],
+                         lambda: dp.io.load_checkpoint(path, model, torch.optim.SGD(
+           model.parameters(), lr=1), grid=grid))
     other = fresh(shared_dir, "plain")
     corrupt, truncated = fresh(shared_dir, "corrupt"), fresh(shared_dir, "truncated")
     if RANK == 0:
@@ -153,11 +153,11 @@ def test_broken_checkpoints(shared_dir, mode):
         open(corrupt, "wb").write(raw)
         open(truncated, "wb").write(raw[: len(raw) // 2])
     COMM.Barrier()
-    raises_everywhere(lambda: dp.io.load_checkpoint(other, model, grid=grid), E,
-                      "not a domainpar checkpoint")
-    raises_everywhere(lambda: dp.io.load_checkpoint(corrupt, model, grid=grid), E,
-                      "corrupt (crc32 mismatch)")
-    raises_everywhere(lambda: dp.io.load_checkpoint(truncated, model, grid=grid), E,
-                      "not a readable HDF5 file")
-    raises_everywhere(lambda: dp.io.save_checkpoint(path, model, tensors={"a/b": x}), E,
-                      "without '/'")
+    raises_on_every_rank(E, ["not a domainpar checkpoint"],
+                         lambda: dp.io.load_checkpoint(other, model, grid=grid))
+    raises_on_every_rank(E, ["corrupt (crc32 mismatch)"],
+                         lambda: dp.io.load_checkpoint(corrupt, model, grid=grid))
+    raises_on_every_rank(E, ["not a readable HDF5 file"],
+                         lambda: dp.io.load_checkpoint(truncated, model, grid=grid))
+    raises_on_every_rank(E, ["without '/'"],
+                         lambda: dp.io.save_checkpoint(path, model, tensors={"a/b": x}))

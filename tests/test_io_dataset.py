@@ -8,9 +8,8 @@ import torch
 
 import domainpar as dp
 from domainpar.io import blocks
-from domainpar.testing import shard_like
-from io_cases import (COMM, SIZE, everywhere, expected_padded, fresh, mode,  # noqa: F401
-                      raises_everywhere, shared_dir)
+from domainpar.testing import check_on_every_rank, raises_on_every_rank, shard_like
+from io_cases import COMM, SIZE, expected_padded, fresh, mode, shared_dir  # noqa: F401
 from tensor_cases import global_tensor, layout
 
 pytestmark = pytest.mark.mpi
@@ -63,7 +62,7 @@ def test_samples_shuffled_alike_on_every_rank(shared_dir, mode, prefetch):
         x, y = ds[3]  # direct access: sample 3 of the file, not of the order
         if not torch.equal(x.to_local(), gx[3:4][x_slices(grid, shard, sizes)]):
             problems.append("ds[3]")
-    everywhere(not problems, problems)
+    check_on_every_rank(not problems, problems)
 
 
 def x_slices(grid, shard, sizes):
@@ -86,18 +85,18 @@ def test_inputs_with_halo(shared_dir, mode):
                                    base=(k, 0, 0, 0))
             if not isinstance(h, dp.io.HaloBlock) or not torch.equal(h.padded, want):
                 problems.append(f"sample {k}")
-    everywhere(not problems, problems)
+    check_on_every_rank(not problems, problems)
 
 
 def test_bad_datasets(shared_dir, mode):
     grid = dp.ProcessGrid((SIZE,))
     path, _, _ = _files(shared_dir, grid, {2: 0}, None)
     dp.io.write(path, "short", shard_like(global_tensor((N - 1, 1, 7, 6)), grid, {2: 0}))
-    raises_everywhere(lambda: dp.io.ShardedDataset(path, "x", "short", grid=grid, shard={2: 0}),
-                      dp.LayoutError, "x has 5 samples but short has 4")
-    raises_everywhere(lambda: dp.io.ShardedDataset(path, "x", "z", grid=grid, shard={2: 0}),
-                      dp.io.DataError, "no dataset 'z'")
-    raises_everywhere(lambda: dp.io.ShardedDataset(path, "x", grid=grid, shard={4: 0}),
-                      dp.LayoutError, "dim 4")
+    raises_on_every_rank(dp.LayoutError, ["x has 5 samples but short has 4"],
+                         lambda: dp.io.ShardedDataset(path, "x", "short", grid=grid, shard={2: 0}))
+    raises_on_every_rank(dp.io.DataError, ["no dataset 'z'"],
+                         lambda: dp.io.ShardedDataset(path, "x", "z", grid=grid, shard={2: 0}))
+    raises_on_every_rank(dp.LayoutError, ["dim 4"],
+                         lambda: dp.io.ShardedDataset(path, "x", grid=grid, shard={4: 0}))
     with dp.io.ShardedDataset(path, "x", grid=grid, shard={2: 0}) as ds:
-        raises_everywhere(lambda: ds[N], IndexError, "out of range")
+        raises_on_every_rank(IndexError, ["out of range"], lambda: ds[N])

@@ -35,8 +35,8 @@ from mpi4py import MPI
 import domainpar as dp
 from domainpar import launch
 from domainpar.io import checkpoint
-from domainpar.testing import shard_like
-from io_cases import COMM, RANK, SIZE, fresh, mode, raises_everywhere, shared_dir  # noqa: F401
+from domainpar.testing import raises_on_every_rank, shard_like
+from io_cases import COMM, RANK, SIZE, fresh, mode, shared_dir  # noqa: F401
 from tensor_cases import global_tensor
 
 E = dp.io.DataError
@@ -79,32 +79,32 @@ def own_cwd(shared_dir, monkeypatch):
 @two_ranks
 def test_read_of_a_file_only_rank0_sees(own_cwd, mode):
     grid = dp.ProcessGrid((SIZE,))
-    raises_everywhere(lambda: dp.io.read("data.h5", "u", grid, {2: 0}), E, "data.h5",
-                      "no such file", "rank 0")
+    raises_on_every_rank(E, ["data.h5", "no such file", "rank 0"],
+                         lambda: dp.io.read("data.h5", "u", grid, {2: 0}))
 
 
 @pytest.mark.mpi
 @two_ranks
 def test_write_into_a_directory_only_rank0_has(own_cwd, mode):
     grid = dp.ProcessGrid((SIZE,))
-    raises_everywhere(lambda: dp.io.write("out/new.h5", "u", _x(grid)), E, "out",
-                      "no such directory")
+    raises_on_every_rank(E, ["out", "no such directory"],
+                         lambda: dp.io.write("out/new.h5", "u", _x(grid)))
 
 
 @pytest.mark.mpi
 @two_ranks
 def test_write_into_a_file_only_rank0_has(own_cwd, mode):
     grid = dp.ProcessGrid((SIZE,))
-    raises_everywhere(lambda: dp.io.write("data.h5", "v", _x(grid)), E, "data.h5", "rank 0")
+    raises_on_every_rank(E, ["data.h5", "rank 0"], lambda: dp.io.write("data.h5", "v", _x(grid)))
 
 
 @pytest.mark.mpi
 @two_ranks
 def test_save_checkpoint_into_a_directory_only_rank0_has(own_cwd, mode):
     grid = dp.ProcessGrid((SIZE,))
-    raises_everywhere(lambda: dp.io.save_checkpoint("out/ckpt.h5", _model(),
-                                                    tensors={"x": _x(grid)}), E, "out",
-                      "no such directory")
+    raises_on_every_rank(E, ["out", "no such directory"],
+                         lambda: dp.io.save_checkpoint("out/ckpt.h5", _model(),
+                                                       tensors={"x": _x(grid)}))
     assert os.listdir("out" if RANK == 0 else ".") == []  # nothing left half-written
 
 
@@ -112,8 +112,8 @@ def test_save_checkpoint_into_a_directory_only_rank0_has(own_cwd, mode):
 @two_ranks
 def test_load_checkpoint_only_rank0_sees(own_cwd, mode):
     grid = dp.ProcessGrid((SIZE,))
-    raises_everywhere(lambda: dp.io.load_checkpoint("ckpt.h5", _model(), grid=grid), E,
-                      "ckpt.h5", "rank 0")
+    raises_on_every_rank(E, ["ckpt.h5", "rank 0"],
+                         lambda: dp.io.load_checkpoint("ckpt.h5", _model(), grid=grid))
 
 
 # -- 10: extra that cannot be loaded back; every broken checkpoint is a DataError ------------
@@ -127,9 +127,9 @@ UNLOADABLE = [("rng", np.random.get_state(), "numpy.ndarray"),
 def test_extra_that_cannot_be_loaded_is_refused_at_save(shared_dir, mode, key, value, kind):
     grid = dp.ProcessGrid((SIZE,))
     path = fresh(shared_dir, "extra")
-    raises_everywhere(lambda: dp.io.save_checkpoint(path, _model(), tensors={"x": _x(grid)},
-                                                    extra={"step": 3, key: value}),
-                      E, f"extra['{key}']", kind)
+    raises_on_every_rank(E, [f"extra['{key}']", kind],
+                         lambda: dp.io.save_checkpoint(path, _model(), tensors={"x": _x(grid)},
+                                                       extra={"step": 3, key: value}))
     assert not [p for p in os.listdir(shared_dir) if os.path.basename(path) in p]
     # What can be read back is stored and comes back equal.
     fine = {"step": 3, "rng": np.random.default_rng(5).bit_generator.state,
@@ -183,7 +183,7 @@ def test_every_broken_checkpoint_is_a_data_error(shared_dir, case):
             raw = open(path, "rb").read()
             open(path, "wb").write(b"" if case == "empty file" else raw[:len(raw) // 3])
     COMM.Barrier()
-    raises_everywhere(lambda: dp.io.load_checkpoint(path, _model(), grid=grid), E, path)
+    raises_on_every_rank(E, [path], lambda: dp.io.load_checkpoint(path, _model(), grid=grid))
 
 
 # -- 11: crafted files cannot read other local files -----------------------------------------
@@ -222,8 +222,8 @@ def test_external_storage_is_refused(shared_dir, mode):
 
     def load():
         got.append(dp.io.load_checkpoint(ckpt, grid=grid).tensors["x"])
-    raises_everywhere(read, E, "external storage")
-    raises_everywhere(load, E, "external storage")
+    raises_on_every_rank(E, ["external storage"], read)
+    raises_on_every_rank(E, ["external storage"], load)
     assert not any(_leaked(t) for t in got)
 
 
@@ -237,7 +237,7 @@ def test_external_link_is_refused(shared_dir, mode):
         with h5py.File(data, "w") as f:
             f["u"] = h5py.ExternalLink(other, "u")
     COMM.Barrier()
-    raises_everywhere(lambda: dp.io.read(data, "u", grid), E, "external link")
+    raises_on_every_rank(E, ["external link"], lambda: dp.io.read(data, "u", grid))
 
 
 @pytest.mark.mpi
@@ -256,8 +256,8 @@ def test_virtual_sources_other_than_own_parts_are_refused(shared_dir, mode):
                                                         + ".rank0.h5"), "u", shape=(16,))
             f.create_virtual_dataset("w", layout)
     COMM.Barrier()
-    raises_everywhere(lambda: dp.io.read(data, "u", grid, {0: 0}), E, "virtual", other)
-    raises_everywhere(lambda: dp.io.read(data, "w", grid, {0: 0}), E, "virtual")
+    raises_on_every_rank(E, ["virtual", other], lambda: dp.io.read(data, "u", grid, {0: 0}))
+    raises_on_every_rank(E, "virtual", lambda: dp.io.read(data, "w", grid, {0: 0}))
     # domainpar's own virtual datasets (the serial fallback's output) still read.
     x = _x(grid)
     own = fresh(shared_dir, "own")

@@ -15,8 +15,8 @@ import torch.nn.functional as F
 
 import domainpar as dp
 from mpi4py import MPI
-from domainpar.testing import assert_matches_single_process, shard_like
-from tensor_cases import COMM, global_tensor, layout, raises_everywhere
+from domainpar.testing import assert_matches_single_process, raises_on_every_rank, shard_like
+from tensor_cases import COMM, global_tensor, layout
 
 pytestmark = pytest.mark.mpi
 
@@ -298,15 +298,18 @@ def test_group_norm_refuses_groups_split_by_blocks():
     grid = dp.ProcessGrid((COMM.Get_size(),))
     sizes = [3] + [1] * (COMM.Get_size() - 2) + [8 - 3 - (COMM.Get_size() - 2)]
     x = shard_like(global_tensor((2, 8, 5)), grid, {1: 0}, {1: sizes})
-    raises_everywhere(lambda: F.group_norm(x, 4), "group_norm", "split groups of 2")
+    raises_on_every_rank(dp.UnsupportedOpError, ["group_norm", "split groups of 2"],
+                         lambda: F.group_norm(x, 4))
 
 
 def test_domain_tensor_parameters_refused():
     grid = dp.ProcessGrid((COMM.Get_size(),))
     x = shard_like(global_tensor((2, C, 6)), grid, {2: 0})
     w = shard_like(torch.ones(C), grid, {0: 0})
-    raises_everywhere(lambda: F.batch_norm(x, None, None, w, None, True), "batch_norm", "weight")
-    raises_everywhere(lambda: F.layer_norm(x, (6,), None, w), "layer_norm", "bias")
+    raises_on_every_rank(dp.UnsupportedOpError, ["batch_norm", "weight"],
+                         lambda: F.batch_norm(x, None, None, w, None, True))
+    raises_on_every_rank(dp.UnsupportedOpError, ["layer_norm", "bias"],
+                         lambda: F.layer_norm(x, (6,), None, w))
 
 
 def test_torch_errors_on_every_rank():

@@ -12,8 +12,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import domainpar as dp
-from domainpar.testing import assert_matches_single_process, shard_like
-from tensor_cases import DTYPES, GRID_NDIMS, global_tensor, layout, raises_everywhere
+from domainpar.testing import assert_matches_single_process, raises_on_every_rank, shard_like
+from tensor_cases import DTYPES, GRID_NDIMS, global_tensor, layout
 
 pytestmark = pytest.mark.mpi
 
@@ -333,14 +333,15 @@ def test_refusals():
     grid, shard, sizes = case_layout(shape, (2, 3), 2, "even")
     x = shard_like(global_tensor(shape, seed=8), grid, shard, sizes)
     # 3 does not divide 7 (dim 2 sharded): refused, naming the dim and the sizes
-    raises_everywhere(lambda: F.adaptive_avg_pool2d(x, (3, 3)), "dim 2", "size 7",
-                      "output size 3")
-    raises_everywhere(lambda: F.adaptive_max_pool2d(x, (2, 4)), "dim 3", "size 6",
-                      "output size 4")
+    raises_on_every_rank(dp.UnsupportedOpError, ["dim 2", "size 7", "output size 3"],
+                         lambda: F.adaptive_avg_pool2d(x, (3, 3)))
+    raises_on_every_rank(dp.UnsupportedOpError, ["dim 3", "size 6", "output size 4"],
+                         lambda: F.adaptive_max_pool2d(x, (2, 4)))
     # output size 1 along a sharded dim is a reduction without indices
-    raises_everywhere(lambda: F.adaptive_max_pool2d(x, (1, 3), return_indices=True),
-                      "return_indices", "[2]")
-    raises_everywhere(lambda: nn.AdaptiveMaxPool2d(1, return_indices=True)(x), "return_indices")
+    raises_on_every_rank(dp.UnsupportedOpError, ["return_indices", "[2]"],
+                         lambda: F.adaptive_max_pool2d(x, (1, 3), return_indices=True))
+    raises_on_every_rank(dp.UnsupportedOpError, "return_indices",
+                         lambda: nn.AdaptiveMaxPool2d(1, return_indices=True)(x))
     # torch's own errors for bad arguments, before any message (every rank alike)
     with pytest.raises(RuntimeError, match="pad should be at most half"):
         F.max_pool2d(x, 2, padding=2)

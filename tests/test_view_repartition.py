@@ -10,8 +10,8 @@ import torch.nn.functional as F
 from mpi4py import MPI
 
 import domainpar as dp
-from domainpar.testing import assert_matches_single_process, shard_like
-from tensor_cases import CASES, SIZE, global_tensor, layout, raises_everywhere
+from domainpar.testing import assert_matches_single_process, raises_on_every_rank, shard_like
+from tensor_cases import CASES, SIZE, global_tensor, layout
 
 pytestmark = pytest.mark.mpi
 
@@ -144,7 +144,8 @@ def test_write_through_copied_view_refused(write):
     if SIZE == 1:
         pytest.skip("needs 2 ranks (one block holds whole windows: no repartition)")
     x, y = _copied_view()
-    raises_everywhere(lambda: WRITES[write](x, y), "repartition", "clone()")
+    raises_on_every_rank(dp.UnsupportedOpError, ["repartition", "clone()"],
+                         lambda: WRITES[write](x, y))
 
 
 def test_copied_view_out_of_place_and_clone_are_fine():
@@ -165,7 +166,8 @@ def test_gather_onto_one_rank_still_refused():
     grid = dp.ProcessGrid((SIZE,))
     x = shard_like(global_tensor((2, 3)), grid, {0: 0})
     if SIZE > 1:
-        raises_everywhere(lambda: x.view(3, 2), "Tensor.view", "one rank")
+        raises_on_every_rank(dp.UnsupportedOpError, ["Tensor.view", "one rank"],
+                             lambda: x.view(3, 2))
     else:
         assert x.view(3, 2).shape == (3, 2)
 
@@ -175,7 +177,7 @@ def test_two_cut_dims_merged_still_refused():
         pytest.skip("needs 4 ranks (a 2x2 grid)")
     grid = dp.ProcessGrid(MPI.Compute_dims(SIZE, 2))
     x = shard_like(global_tensor((1, 8, 8, 3)), grid, {1: 0, 2: 1})
-    raises_everywhere(lambda: x.view(1, 64, 3), "gathered")
+    raises_on_every_rank(dp.UnsupportedOpError, "gathered", lambda: x.view(1, 64, 3))
 
 
 # -- layouts aligned to whole windows: the view needs no repartition -------------------------------

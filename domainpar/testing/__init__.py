@@ -5,7 +5,7 @@ errors raised on every rank alike.
 helpers load on first use.
 """
 from .adjoint import adjoint_error, global_dot
-from .errors import raises_on_every_rank
+from .errors import check_on_every_rank, raises_on_every_rank
 
 _TORCH_NAMES = ("adjoint_test", "assert_matches_single_process", "inner", "shard_like")
 
@@ -18,5 +18,5 @@ def __getattr__(name):
     raise AttributeError(f"module 'domainpar.testing' has no attribute {name!r}")
 
 
-__all__ = ["adjoint_error", "adjoint_test", "assert_matches_single_process", "global_dot",
-           "inner", "raises_on_every_rank", "shard_like"]
+__all__ = ["adjoint_error", "adjoint_test", "assert_matches_single_process", "check_on_every_rank",
+           "global_dot", "inner", "raises_on_every_rank", "shard_like"]

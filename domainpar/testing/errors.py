@@ -2,28 +2,59 @@
 from __future__ import annotations
 
 import re
+from typing import Sequence
 
 from mpi4py import MPI
 
 
-def raises_on_every_rank(error: type[BaseException], match: str, fn, comm=None) -> str:
+def raises_on_every_rank(error, match: str | Sequence[str], fn, comm=None, *,
+                         exact: bool = False) -> str:
     """Collective over ``comm`` (default COMM_WORLD). Assert that ``fn()`` raises an
-    instance of ``error`` on every rank, of the same type and with the same message
-    everywhere, and that the message matches the regular expression ``match``.
+    instance of ``error`` (a type or a tuple of types; exactly that type when
+    ``exact``) on every rank, of the same type and with the same message
+    everywhere, and that the message matches ``match``: a regular expression, or
+    a list of strings that must each occur in it verbatim.
     Every rank's outcome is gathered first, so a rank that alone did not raise (or
     raised something else) fails the check on every rank instead of leaving the
     others waiting. Returns the message."""
     comm = MPI.COMM_WORLD if comm is None else comm
-    try:
-        fn()
-        outcome = ("no error", "")
-    except Exception as exc:  # noqa: BLE001 (compared below, on every rank)
-        kind = type(exc).__name__ if isinstance(exc, error) else f"not {error.__name__}: " \
-            f"{type(exc).__name__}"
-        outcome = (kind, str(exc))
-    outcomes = comm.allgather(outcome)
+    outcomes = comm.allgather(_outcome(error, fn, exact))
     kinds = {kind for kind, _ in outcomes}
     assert len(kinds) == 1 and not next(iter(kinds)).startswith(("no error", "not ")), outcomes
     assert len(set(outcomes)) == 1, f"messages differ between ranks: {outcomes}"
-    assert re.search(match, outcomes[0][1]), outcomes[0][1]
-    return outcomes[0][1]
+    message = outcomes[0][1]
+    if isinstance(match, str):
+        assert re.search(match, message), f"{match!r} does not match {message!r}"
+    else:
+        missing = [w for w in match if w not in message]
+        assert not missing, f"{missing} not in {message!r}"
+    return message
+
+
+def _outcome(error, fn, exact: bool) -> tuple[str, str]:
+    """Local. (the kind of what ``fn()`` raised, its message)."""
+    try:
+        fn()
+    except Exception as exc:  # noqa: BLE001 (compared on every rank by the caller)
+        ok = type(exc) in _types(error) if exact else isinstance(exc, error)
+        name = type(exc).__name__
+        return (name if ok else f"not {_names(error)}: {name}"), str(exc)
+    return "no error", ""
+
+
+def _types(error) -> tuple:
+    return error if isinstance(error, tuple) else (error,)
+
+
+def _names(error) -> str:
+    return " or ".join(t.__name__ for t in _types(error))
+
+
+def check_on_every_rank(ok: bool, what="", comm=None) -> None:
+    """Collective over ``comm`` (default COMM_WORLD). Assert ``ok`` on every rank:
+    a check that failed on any rank fails on every rank, naming the ranks where
+    it failed and what they report (``what``), so no rank goes on alone into the
+    next collective."""
+    comm = MPI.COMM_WORLD if comm is None else comm
+    stories = comm.allgather(None if ok else f"rank {comm.Get_rank()}: {what}")
+    assert not any(stories), [s for s in stories if s]
