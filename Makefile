@@ -14,6 +14,8 @@
 #   TEST_TIMEOUT=120         per-test timeout in seconds
 #   TEST_TOTAL_TIMEOUT=1800  last-resort limit for one MPI stage, in seconds
 #   FAIL_FAST=1              stop `make test` after the first failing stage
+#   LARGE_NP=8               ranks of `make test`'s larger-grid stage (mpi-n<LARGE_NP>)
+#   LARGE_TIMEOUT=300        per-test timeout of the larger-grid stages (oversubscribed)
 #   HDF5_DIR=...             parallel HDF5 prefix to build h5py against
 #   MPIEXEC=mpiexec          launcher for the demo and the MPI test stages
 #   DEMO_NP=2                ranks `make demo` runs on
@@ -84,11 +86,44 @@ export MPIEXEC
 MPI_RUN_ENV := OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 \
 	OMPI_MCA_rmaps_base_oversubscribe=1
 
-.PHONY: help setup sysdeps kernels test demo coupling clean distclean FORCE
+# The larger-grid stages (issue 20): a chosen subset of the MPI suite on 8 ranks
+# in `make test` (mpi-n8) and on 16 in `make test-large`, oversubscribed, small
+# sizes. The tests take their grids from the world size: at 8 ranks 2x2x2 (4x2x2
+# at 16). Selected: halo fill/accumulate on 3- and 4-D grids (random periodic
+# axes, uneven and empty blocks, widths past the neighbour's block) and the
+# periodic wrap; every repartition test (random layouts between grids, adjoint);
+# conv on 3-D grids; the 3-D pooling modules; norm modules and interpolate on
+# 3-D grids; ring attention (SDPA cases and RingShift: rings of 8 and 16 blocks,
+# causal, uneven, empty); FFT on 2-D grids; DomainParallel gradient buckets and
+# training on a batch x 2x2 grid (tests/test_large_grids.py).
+LARGE_NP ?= 8
+LARGE_TIMEOUT ?= 300
+LARGE_TESTS := tests/test_halo.py tests/test_collectives.py tests/test_conv.py \
+	tests/test_pool.py tests/test_norm.py tests/test_resample.py tests/test_attention.py \
+	tests/test_fft.py tests/test_domain_parallel.py tests/test_large_grids.py
+LARGE_K := ((fill_equals or accumulate_is) and (-3- or -4-)) or outer_ghosts_untouched \
+	or repartition or (conv_matches and (-3-even- or -3-uneven- or -3-zero-)) \
+	or modules_on_3d_grid or (module_matches_one_process and -3d-) \
+	or (interpolate_matches and grid3) or sdpa_matches or ring_shift_adjoint \
+	or (transform_matches and -2d) or domain_parallel_gradients_match or batch_by_2x2
+LARGE_RUN = $(PY) tests/run_mpi.py -n $(1) -q --per-test-timeout $(LARGE_TIMEOUT) \
+	$(LARGE_TESTS) -k "$(LARGE_K)"
+# The network path (issue 20): 2 ranks over Open MPI's TCP transport alone on the
+# loopback interface, shared memory off (tests/run_mpi.py --transport tcp;
+# domainpar/launch.py, TRANSPORTS). Halo fill/accumulate, collectives and
+# repartition, DomainParallel's gradient buckets and training, ring attention.
+TCP_TESTS := tests/test_halo.py tests/test_collectives.py tests/test_domain_parallel.py \
+	tests/test_attention.py
+TCP_K := fill_equals or accumulate_is or allreduce or allgatherv_equals \
+	or repartition_named or repartition_adjoint or domain_parallel_gradients_match \
+	or training_matches or ring_shift_adjoint or sdpa_matches
+
+.PHONY: help setup sysdeps kernels test test-large demo coupling clean distclean FORCE
 
 help:
 	@echo "make demo       set up, then the main job on $(DEMO_NP) ranks: solve, write HDF5, train a 3-D UNet, check, plot"
-	echo "make test       set up, then serial tests and MPI tests on $(NP_LIST) ranks"
+	echo "make test       set up, then serial tests, MPI tests on $(NP_LIST) ranks, a subset on $(LARGE_NP) ranks and one on 2 ranks over TCP"
+	echo "make test-large a subset of the MPI tests on 16 ranks (larger grids; not in make test)"
 	echo "make setup      only the setup: apt packages, .venv, parallel h5py, package, kernels"
 	echo "make kernels    (re)build the native kernels with CMake when their sources changed"
 	echo "make coupling   build the C/Fortran coupling examples and run each on 4 ranks"
@@ -253,6 +288,13 @@ test: setup
 			stage mpi-n$$n $(PY) tests/run_mpi.py -n $$n -q --color=$$color $(PYTEST_ARGS) || break
 		done
 	fi
+	if [ $$failed -eq 0 ] || [ -z "$(FAIL_FAST)" ]; then
+		stage mpi-n$(LARGE_NP) $(call LARGE_RUN,$(LARGE_NP)) --color=$$color $(PYTEST_ARGS)
+	fi
+	if [ $$failed -eq 0 ] || [ -z "$(FAIL_FAST)" ]; then
+		stage mpi-tcp $(PY) tests/run_mpi.py -n 2 --transport tcp -q --color=$$color \
+			$(TCP_TESTS) -k "$(TCP_K)" $(PYTEST_ARGS)
+	fi
 	if [ $$total -gt 0 ] && [ $$empty -eq $$total ]; then
 		summary+=("no stage collected any test: is tests/ empty?"); failed=1
 	fi
@@ -262,6 +304,10 @@ test: setup
 	printf 'make test: %s in %d.%ds (setup %d.%ds)\n' "$$( [ $$failed -eq 0 ] && echo PASSED || echo FAILED)" \
 		$$((t_all / 1000)) $$((t_all % 1000 / 100)) $$((t_setup / 1000)) $$((t_setup % 1000 / 100))
 	exit $$failed
+
+# The larger-grid subset (LARGE_TESTS, LARGE_K) on 16 ranks, oversubscribed.
+test-large: setup
+	@$(call LARGE_RUN,16)
 
 # The main job (`domainpar demo --help`): Gray-Scott solved domain-parallel,
 # written to HDF5, a 3-D UNet surrogate trained on it, checked against one
