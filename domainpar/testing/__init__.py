@@ -1,8 +1,9 @@
 """Public test helpers: dot-product adjoint tests, the single-process oracle, and
 errors raised on every rank alike.
 
-``global_dot``/``adjoint_error`` work on numpy arrays (no torch); the torch
-helpers load on first use.
+``global_dot``/``adjoint_error`` work on numpy arrays (no torch) and are the one
+implementation of the dot-product test: ``adjoint_test`` (torch, DomainTensors)
+is built on them. The torch helpers load on first use.
 """
 from .adjoint import adjoint_error, global_dot
 from .errors import check_on_every_rank, raises_on_every_rank

@@ -4,14 +4,14 @@ model run by one process on the whole tensors (the oracle, docs/design.md)."""
 from __future__ import annotations
 
 import copy
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Mapping
 
 import torch
-from mpi4py import MPI
 
 from ..comm.decomposition import Decomposition
 from ..comm.grid import ProcessGrid
 from ..tensor.domain_tensor import DomainTensor
+from .adjoint import adjoint_terms, global_dot
 
 # Default tolerances (relative, absolute) per dtype: docs/design.md's oracle.
 TOLERANCES = {torch.float64: (1e-10, 1e-12), torch.complex128: (1e-10, 1e-12),
@@ -29,6 +29,19 @@ def _local(value) -> torch.Tensor:
     return value.to_local() if isinstance(value, DomainTensor) else value
 
 
+def _comm_of(space):
+    """The communicator that sums inner products over ``space`` (see ``inner``)."""
+    if isinstance(space, Decomposition):
+        return space.grid.sub(space.shard.values())
+    return space
+
+
+def _array(value):
+    """This rank's block of ``value`` as a numpy array, widened to 64 bits."""
+    t = _local(value).detach().cpu()
+    return t.to(torch.complex128 if t.is_complex() else torch.float64).numpy()
+
+
 def inner(a, b, space=None) -> float:
     """Collective for distributed spaces. <a, b> (real part) over ``space``:
 
@@ -37,18 +50,10 @@ def inner(a, b, space=None) -> float:
       distinct blocks (replicas counted once);
     - an MPI communicator: per-rank values summed over it (for example a tensor
       that lives on one root and is empty elsewhere).
-    DomainTensors default to their own decomposition.
+    DomainTensors default to their own decomposition. (``adjoint.global_dot``
+    on the blocks.)
     """
-    space = _space_of(a, space)
-    la, lb = _local(a).detach(), _local(b).detach()
-    local = float(torch.vdot(la.reshape(-1), lb.reshape(-1).to(la.dtype)).real) if la.numel() else 0.0
-    if space is None:
-        return local
-    if isinstance(space, Decomposition):
-        comm = space.grid.sub(space.shard.values())
-    else:
-        comm = space
-    return comm.allreduce(local, op=MPI.SUM)
+    return global_dot(_array(a), _array(b), _comm_of(_space_of(a, space)))
 
 
 def _random_like(value, space, seed: int, rank: int) -> Any:
@@ -84,9 +89,8 @@ def adjoint_test(forward: Callable, x, *, adjoint: Callable | None = None, x_spa
         out = _local(forward(xin))
         (g,) = torch.autograd.grad(out, xl, _local(y), allow_unused=True)
         fty = torch.zeros_like(xl) if g is None else g
-    lhs, rhs = inner(fx, y, y_space), inner(x, fty, x_space)
-    scale = max(abs(lhs), abs(rhs), inner(_abs(fx), _abs(y), y_space), 1e-300)
-    err = abs(lhs - rhs) / scale
+    lhs, rhs, err = adjoint_terms(_array(fx), _array(y), _array(x), _array(fty),
+                                  _comm_of(y_space), x_comm=_comm_of(x_space))
     dtype = _local(x).dtype
     tol = rtol if rtol is not None else (1e-10 if dtype in (torch.float64, torch.complex128) else 1e-4)
     if err > tol:
@@ -104,10 +108,6 @@ def _rank_in(space) -> int:
     if isinstance(space, Decomposition):
         return space.grid.sub(space.shard.values()).Get_rank()
     return space.Get_rank()
-
-
-def _abs(v):
-    return DomainTensor(_local(v).abs(), v.decomposition) if isinstance(v, DomainTensor) else v.abs()
 
 
 # -- the oracle ----------------------------------------------------------------------------------
