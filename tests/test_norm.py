@@ -110,12 +110,6 @@ def _matrix():
     return cases
 
 
-def case_layout(shape, order, grid_ndim, kind, seed=0):
-    periodic = kind == "periodic"
-    return layout(shape, order, grid_ndim, "even" if periodic else kind, seed=seed,
-                  periodic=periodic)
-
-
 def shape_of(nsp):
     return (6, C) if nsp == 0 else SHAPES[nsp]
 
@@ -123,7 +117,7 @@ def shape_of(nsp):
 @pytest.mark.parametrize("nsp,make,order,grid_ndim,kind,dtype", _matrix())
 def test_module_matches_one_process(nsp, make, order, grid_ndim, kind, dtype):
     shape = shape_of(nsp)
-    grid, shard, sizes = case_layout(shape, order, grid_ndim, kind)
+    grid, shard, sizes = layout(shape, order, grid_ndim, kind)
     model = make().to(dtype)
     assert_matches_single_process(model, global_tensor(shape, dtype, INPUT_SEED), grid, shard,
                                   sizes=sizes)
@@ -133,7 +127,7 @@ def test_module_matches_one_process(nsp, make, order, grid_ndim, kind, dtype):
 def test_under_domain_parallel(grid_ndim, kind):
     """Weight and bias gradients deferred and bucketed by DomainParallel."""
     shape = SHAPES[2]
-    grid, shard, sizes = case_layout(shape, SPATIAL_FIRST[2], grid_ndim, kind)
+    grid, shard, sizes = layout(shape, SPATIAL_FIRST[2], grid_ndim, kind)
     model = nn.Sequential(bn(2), _affine(nn.GroupNorm(2, C)), _affine(nn.LayerNorm((7, 6))),
                           inorm(2, affine=True)).double()
     assert_matches_single_process(model, global_tensor(shape, seed=INPUT_SEED), grid, shard,
@@ -182,7 +176,7 @@ def test_functional_forms():
             return a + 0.5 * b + 0.25 * c + 0.125 * d + 0.0625 * e
 
     for grid_ndim, kind in [(1, "zero"), (2, "uneven"), (3, "periodic")]:
-        grid, shard, sizes = case_layout(shape, SPATIAL_FIRST[2], grid_ndim, kind)
+        grid, shard, sizes = layout(shape, SPATIAL_FIRST[2], grid_ndim, kind)
         assert_matches_single_process(Fns(), global_tensor(shape, seed=INPUT_SEED), grid, shard,
                                       sizes=sizes)
 
@@ -223,7 +217,7 @@ def test_running_stats_after_steps(name, make, order, grid_ndim, kind, dtype):
     the next eval step uses them."""
     nsp = 3 if "3d" in name else 2
     shape = SHAPES[nsp]
-    grid, shard, sizes = case_layout(shape, order, grid_ndim, kind)
+    grid, shard, sizes = layout(shape, order, grid_ndim, kind)
     ref = make().to(dtype)
     mine = copy.deepcopy(ref)
     for step in range(3):
@@ -273,7 +267,7 @@ def test_large_offset_float32(grid_ndim, kind):
     w = global_tensor(shape, seed=12345)
     truth = _run(model, xd, w)
     torch32 = _run(model, x, w)
-    ours = _run(model, x, w, case_layout(shape, BATCH_FIRST[2], grid_ndim, kind))
+    ours = _run(model, x, w, layout(shape, BATCH_FIRST[2], grid_ndim, kind))
     names = ["output", "input gradient"] + [n for n, _ in model.named_parameters()]
     for name, t, o, m in zip(names, truth, torch32, ours):
         scale = float(t.abs().max())

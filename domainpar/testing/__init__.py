@@ -1,5 +1,5 @@
-"""Public test helpers: dot-product adjoint tests, the single-process oracle, and
-errors raised on every rank alike.
+"""Public test helpers: dot-product adjoint tests, the single-process oracle,
+errors raised on every rank alike, and rank-agreed test layouts.
 
 ``global_dot``/``adjoint_error`` work on numpy arrays (no torch) and are the one
 implementation of the dot-product test: ``adjoint_test`` (torch, DomainTensors)
@@ -7,6 +7,7 @@ is built on them. The torch helpers load on first use.
 """
 from .adjoint import adjoint_error, global_dot
 from .errors import check_on_every_rank, raises_on_every_rank
+from .layouts import block_sizes, layout
 
 _TORCH_NAMES = ("adjoint_test", "assert_matches_single_process", "inner", "shard_like")
 
@@ -19,5 +20,6 @@ def __getattr__(name):
     raise AttributeError(f"module 'domainpar.testing' has no attribute {name!r}")
 
 
-__all__ = ["adjoint_error", "adjoint_test", "assert_matches_single_process", "check_on_every_rank",
-           "global_dot", "inner", "raises_on_every_rank", "shard_like"]
+__all__ = ["adjoint_error", "adjoint_test", "assert_matches_single_process", "block_sizes",
+           "check_on_every_rank", "global_dot", "inner", "layout", "raises_on_every_rank",
+           "shard_like"]
