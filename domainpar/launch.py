@@ -42,6 +42,8 @@ LAUNCH_ENV = {
 # halo``/``grads``) put these variables in its environment, e.g.
 #   env OMPI_MCA_btl=tcp,self OMPI_MCA_btl_tcp_if_include=lo OMPI_MCA_pml=ob1 \
 #       domainpar bench halo -n 2
+# To see what Open MPI used, add OMPI_MCA_btl_base_verbose=100: each rank logs
+# "Using tcp btl for send to" the others (with "tcp": never "vader").
 TRANSPORTS = {
     "default": {},
     "tcp": {
