@@ -14,7 +14,8 @@ from mpi4py import MPI
 
 import domainpar as dp
 from domainpar.testing import assert_matches_single_process, shard_like
-from tensor_cases import SIZE, global_tensor, sizes_for
+from domainpar.testing.layouts import block_sizes
+from tensor_cases import SIZE, global_tensor
 from test_domain_parallel import ChannelMLP, assert_same_parameters, train
 
 pytestmark = [pytest.mark.mpi,
@@ -30,7 +31,7 @@ def batch_2x2_grid(kind):
     grid = dp.ProcessGrid(dims)
     shard = {0: 0, 2: 1, 3: 2}
     sizes = {d: s for d, a in shard.items()
-             if (s := sizes_for(SHAPE[d], dims[a], kind)) is not None}
+             if (s := block_sizes(SHAPE[d], dims[a], kind)) is not None}
     return grid, shard, sizes or None
 
 
