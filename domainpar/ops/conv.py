@@ -21,6 +21,9 @@ torch's own error on every rank before any message is sent.
 
 Refused (UnsupportedOpError on every rank): the channel dim sharded; an
 unbatched input; a DomainTensor as weight or bias.
+
+The local call (torch's conv on a block, steered to oneDNN on CPU where torch's
+size rule would pick im2col for a thin block) is ``ops/onednn.py``.
 """
 from __future__ import annotations
 
@@ -42,6 +45,8 @@ from ..tensor.params import enter_domain
 from . import window
 from .common import autocast_operands, bind
 from .common import meta as _meta
+from .onednn import LAYOUT, local_conv, local_conv_backward  # noqa: F401 (LAYOUT: tests)
+from .onednn import kernel_order as _onednn_order  # noqa: F401 (tests/test_conv.py's name)
 
 _CONV = {F.conv1d: 1, F.conv2d: 2, F.conv3d: 3}
 _CONV_T = {F.conv_transpose1d: 1, F.conv_transpose2d: 2, F.conv_transpose3d: 3}
@@ -339,107 +344,6 @@ def _padded_block(block: torch.Tensor, widths: dict) -> torch.Tensor:
         inner = inner.narrow(d, lo, block.shape[d])
     inner.copy_(block)
     return padded
-
-
-# -- the local call --------------------------------------------------------------------------
-def local_conv(func, cells, w, b, stride, padding, dilation, groups, output_padding=None):
-    """torch's conv (or transposed conv, given ``output_padding``) on this rank's
-    cells, by oneDNN where torch would take its im2col path for the block alone.
-
-    torch runs batch-1 float32 3-D convs on CPU by im2col (``slow_conv3d``) when
-    N*C*D*H is small (a size rule, "native is faster for some cases"), and a block
-    is smaller than the whole along its sharded dims: sharding alone would move a
-    conv onto that path, which holds 27 times its input in columns and ran 4x
-    slower than oneDNN on a 1x8x34x66x66 block. The rule reads dims 2 and 3 only,
-    so we hand torch the block with its spatial dims reordered (a view; weight and
-    arguments reordered alike), largest first, and reorder the result back. Where
-    no order passes the rule, a conv converts the block to oneDNN's own layout.
-    """
-    transposed = output_padding is not None
-    order = _onednn_order(tuple(cells.shape), cells.dtype, cells.device.type, tuple(w.shape),
-                          tuple(stride), tuple(padding), tuple(dilation), groups,
-                          tuple(output_padding or ()))
-    if order == LAYOUT:
-        return func(cells.to_mkldnn(), w, b, stride, padding, dilation, groups).to_dense()
-    if order is not None:
-        perm = (0, 1) + tuple(2 + o for o in order)
-        inverse = tuple(perm.index(d) for d in range(len(perm)))
-        cells, w = cells.permute(perm), w.permute(perm)
-        stride, padding, dilation = ([v[o] for o in order] for v in (stride, padding, dilation))
-        if transposed:
-            output_padding = [output_padding[o] for o in order]
-    if transposed:
-        out = func(cells, w, b, stride, padding, output_padding, groups, dilation)
-    else:
-        out = func(cells, w, b, stride, padding, dilation, groups)
-    return out if order is None else out.permute(inverse)
-
-
-def local_conv_backward(grad, cells, weight, spec: _ConvSpec, mask):
-    """(grad of cells, of weight, of bias) of ``local_conv`` (not transposed), by
-    the same spatial-dim order, so by the same kernel."""
-    stride, padding, dilation = spec.stride, spec.padding, spec.dilation
-    order = _onednn_order(tuple(cells.shape), cells.dtype, cells.device.type,
-                          tuple(weight.shape), stride, padding, dilation, spec.groups, ())
-    inverse = None
-    if order == LAYOUT:
-        grad, cells = grad.contiguous().to_mkldnn(), cells.contiguous().to_mkldnn()
-    elif order is not None:
-        perm = (0, 1) + tuple(2 + o for o in order)
-        inverse = tuple(perm.index(d) for d in range(len(perm)))
-        grad, cells, weight = grad.permute(perm), cells.permute(perm), weight.permute(perm)
-        stride, padding, dilation = ([v[o] for o in order] for v in (stride, padding, dilation))
-    g_in, g_w, g_b = torch.ops.aten.convolution_backward(
-        grad, cells, weight, [weight.shape[0]] if mask[2] else None, list(stride),
-        list(padding), list(dilation), False, [0] * len(stride), spec.groups, list(mask))
-    if inverse is not None:
-        g_in = None if g_in is None else g_in.permute(inverse)
-        g_w = None if g_w is None else g_w.permute(inverse)
-    if g_in is not None and g_in.layout != torch.strided:
-        g_in = g_in.to_dense()
-    return g_in, g_w, g_b
-
-
-@functools.lru_cache(maxsize=1024)
-def _onednn_order(shape, dtype, device, w_shape, stride, padding, dilation, groups, out_pad):
-    """A reordering of the spatial dims under which torch picks a oneDNN kernel where
-    it would pick im2col for ``shape`` as it is; None when there is no need or none."""
-    if len(shape) != 5 or device != "cpu" or dtype != torch.float32 or 0 in shape:
-        return None
-    if (all(k == 1 for k in w_shape[2:]) and all(s == 1 for s in stride)
-            and not any(padding) and not any(out_pad)):
-        # A 1x1x1 conv: torch's slow path builds no columns (it is one matrix
-        # product), so it needs nothing from oneDNN; its layout would only add a
-        # copy of the block each way, at backward's start, the step's peak.
-        return None
-    select = getattr(torch._C, "_select_conv_backend", None)
-    if select is None:  # a torch without this (private) query: leave the choice to torch
-        return None
-    transposed = bool(out_pad)
-
-    def backend(order):
-        perm = (0, 1) + tuple(2 + o for o in order)
-        x = torch.empty(1).expand([shape[d] for d in perm])
-        w = torch.empty(1).expand([w_shape[d] for d in perm])
-        pick = lambda v: [v[o] for o in order]  # noqa: E731
-        return str(select(x, w, None, pick(stride), pick(padding), pick(dilation), transposed,
-                          pick(out_pad) if transposed else [0, 0, 0], groups))
-
-    try:
-        if "Slow" not in backend((0, 1, 2)):
-            return None
-        order = tuple(sorted(range(3), key=lambda o: -shape[2 + o]))
-        if "Slow" not in backend(order):
-            return order
-    except (RuntimeError, TypeError):
-        return None
-    # No order passes the size rule: a conv (not transposed) can still go to oneDNN
-    # through oneDNN's own tensor layout (a copy of the block each way), 2.4x faster
-    # with half the peak memory of im2col on a 1x4x34x64x64 block.
-    return None if transposed else LAYOUT
-
-
-LAYOUT = "onednn-layout"  # _onednn_order's answer: convert the block to oneDNN's layout
 
 
 # -- transposed conv ---------------------------------------------------------------------------
