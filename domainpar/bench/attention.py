@@ -94,13 +94,13 @@ def _sharded(tensors, grid):
 def _ring_step(blocks, causal: bool) -> dict:
     """Collective. One N-rank step: the slowest rank's wall and CPU time (CPU time
     is what other load on a shared machine disturbs least); each rank's wait."""
-    from ..ops import attention
+    from ..ops.ring import RING_WAIT
     comm = blocks[0].grid.comm
     comm.Barrier()
-    attention.RING_WAIT.reset()
+    RING_WAIT.reset()
     t0, c0 = time.perf_counter(), time.thread_time()
     _step(*blocks, causal)
-    mine = (time.perf_counter() - t0, time.thread_time() - c0, attention.RING_WAIT.seconds)
+    mine = (time.perf_counter() - t0, time.thread_time() - c0, RING_WAIT.seconds)
     per_rank = comm.allgather(mine)
     return {"wall": max(r[0] for r in per_rank), "cpu": max(r[1] for r in per_rank),
             "wait": [r[2] for r in per_rank]}

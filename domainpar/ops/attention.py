@@ -78,7 +78,7 @@ from ..tensor.domain_tensor import DomainTensor
 from ..tensor.params import enter_domain
 from .common import bind
 from .common import meta as _meta
-from .ring import FLASH_DTYPES, RING_WAIT, RingAttention, RingSpec  # noqa: F401 (bench: RING_WAIT)
+from .ring import FLASH_DTYPES, RingAttention, RingSpec
 
 KERNEL = "auto"        # "auto": torch's CPU flash kernel where it applies; "math": always ours
 MATH_TILE = 1 << 22    # score elements per tile of the math kernel

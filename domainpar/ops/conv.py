@@ -45,8 +45,7 @@ from ..tensor.params import enter_domain
 from . import window
 from .common import autocast_operands, bind
 from .common import meta as _meta
-from .onednn import LAYOUT, local_conv, local_conv_backward  # noqa: F401 (LAYOUT: tests)
-from .onednn import kernel_order as _onednn_order  # noqa: F401 (tests/test_conv.py's name)
+from .onednn import local_conv, local_conv_backward
 
 _CONV = {F.conv1d: 1, F.conv2d: 2, F.conv3d: 3}
 _CONV_T = {F.conv_transpose1d: 1, F.conv_transpose2d: 2, F.conv_transpose3d: 3}
