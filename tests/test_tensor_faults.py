@@ -295,3 +295,29 @@ def test_torch_compile_on_domain_tensors_matches_one_process(backend):
 
     errors = assert_matches_single_process(model, x, grid, shard, wrap=compiled)
     assert {"input 0 gradient", "gradient of conv1.weight"} <= set(errors)
+
+
+def test_domainpar_loads_dynamo_only_for_torch_compile():
+    """A job that never compiles does not pay for torch._dynamo (+70 MiB per rank
+    and over a second of start-up, torch 2.13.0); once torch.compile loads it,
+    DomainTensor ops become graph breaks and give eager numbers."""
+    script = textwrap.dedent("""
+        import sys, torch, torch.nn.functional as F
+        import domainpar as dp
+        from mpi4py import MPI
+        grid = dp.ProcessGrid((1,), comm=MPI.COMM_SELF)
+        w = torch.randn(3, 2, 3, 3, dtype=torch.float64)
+        t = torch.randn(1, 2, 8, 8, dtype=torch.float64)
+        x = dp.scatter(t, grid, shard={2: 0})
+        eager = F.conv2d(x, w, padding=1).sum()
+        assert "torch._dynamo" not in sys.modules, "torch._dynamo loaded without compile"
+        step = torch.compile(lambda x: F.conv2d(x, w, padding=1).relu().sum(), backend="eager")
+        got = step(x)
+        assert "torch._dynamo" in sys.modules
+        want = F.conv2d(t, w, padding=1).relu().sum()
+        assert abs(float(got) - float(want)) < 1e-10, (float(got), float(want))
+        print("ok", float(eager))
+    """)
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=120, cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert proc.returncode == 0 and "ok" in proc.stdout, proc.stdout + proc.stderr

@@ -44,14 +44,8 @@ class DomainTensor(torch.Tensor):
         return self
 
     @classmethod
-    @torch.compiler.disable
     def __torch_function__(cls, func, types, args=(), kwargs=None):
-        # torch.compile: Dynamo never traces a rule (it would hand MPI fake
-        # tensors, "Cannot access data pointer"); every torch call on a
-        # DomainTensor is a graph break and runs eagerly, communication and
-        # autograd state (requires_grad of the block) included. Measured on
-        # torch 2.13.0 (tests/test_tensor_faults.py, torch_compile): one
-        # process's numbers; the cost outside compile is within timing noise.
+        # Under torch.compile a graph break: see compiling.py.
         return dispatch.handle(func, types, args, kwargs)
 
     @classmethod
