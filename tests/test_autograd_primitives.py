@@ -91,6 +91,24 @@ def test_halo_adjoint(grid_ndim, seed, which):
                                rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("grid_ndim,seed", CASES)
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
+def test_in_place_halo_pair_adjoint(grid_ndim, seed, dtype):
+    """fill_in_place and accumulate_in_place (the pair fused Functions such as
+    HaloConv call on their own buffers) are each other's adjoints, and the
+    autograd pair computes the same values."""
+    _, dec, width = random_layout(seed, COMM, grid_ndim, max_extent=7, max_width=3)
+    halo = dp.HaloExchange(dec, width)
+    x = _per_rank(halo.padded_shape, seed).to(dtype)
+    fill = lambda t: ag.primitives.fill_in_place(t.clone(), halo)  # noqa: E731
+    acc = lambda t: ag.primitives.accumulate_in_place(t.clone(), halo)  # noqa: E731
+    rtol = 1e-10 if dtype == torch.float64 else 2e-2
+    adjoint_test(fill, x, adjoint=acc, x_space=dec.grid.comm, y_space=dec.grid.comm,
+                 rtol=rtol, seed=seed)
+    assert_close(fill(x), ag.halo_fill(x, halo), rtol=0, atol=0)
+    assert_close(acc(x), ag.halo_accumulate(x, halo), rtol=0, atol=0)
+
+
 # -- allreduce-sum / broadcast -----------------------------------------------------------------
 @pytest.mark.parametrize("grid_ndim,seed", CASES)
 def test_allreduce_sum_adjoint(grid_ndim, seed):

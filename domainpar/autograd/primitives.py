@@ -60,10 +60,21 @@ def allreduce_tensor(t: torch.Tensor, comm: MPI.Comm, op: str = "sum") -> torch.
 
 
 # -- halo fill / accumulate -------------------------------------------------------------
+# The pair in place, for Functions that fuse the exchange with their local work
+# (ops/conv.py's HaloConv) and own their buffer; HaloFill/HaloAccumulate below
+# are the same pair on a copy, as autograd Functions.
+def fill_in_place(t: torch.Tensor, halo: HaloExchange) -> torch.Tensor:
+    """Neighbour-wise collective. ``halo.fill`` on the contiguous ``t``, in place:
+    its ghost cells get the owners' values. Adjoint: ``accumulate_in_place``."""
+    halo.fill(to_array(t), check=False)
+    return t
+
+
 def accumulate_in_place(t: torch.Tensor, halo: HaloExchange) -> torch.Tensor:
     """Neighbour-wise collective. ``halo.accumulate`` on the contiguous ``t``, in
-    place; half types add in float32 (bfloat16 travels as its bit pattern, which
-    numpy would add as integers)."""
+    place: ghost cells are added into their owners and zeroed; half types add in
+    float32 (bfloat16 travels as its bit pattern, which numpy would add as
+    integers). Adjoint: ``fill_in_place``."""
     wide = _WIDENED.get(t.dtype)
     if wide is None:
         halo.accumulate(to_array(t), check=False)
@@ -80,9 +91,7 @@ class HaloFill(torch.autograd.Function):
     @staticmethod
     def forward(ctx, padded: torch.Tensor, halo: HaloExchange):
         ctx.halo = halo
-        out = _contiguous_copy(padded)
-        halo.fill(to_array(out), check=False)
-        return out
+        return fill_in_place(_contiguous_copy(padded), halo)
 
     @staticmethod
     def backward(ctx, grad):

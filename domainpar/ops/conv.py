@@ -36,8 +36,7 @@ import torch
 import torch.nn.functional as F
 
 from .. import autograd as ag
-from ..autograd._arrays import to_array
-from ..autograd.primitives import accumulate_in_place
+from ..autograd.primitives import accumulate_in_place, fill_in_place
 from ..tensor import layout
 from ..tensor.dispatch import UnsupportedOpError, op_name, register
 from ..tensor.domain_tensor import DomainTensor
@@ -175,7 +174,7 @@ class HaloConv(torch.autograd.Function):
         widths = dict(spec.widths)
         padded = _padded_block(block, widths)
         if halo is not None:
-            halo.fill(to_array(padded), check=False)
+            fill_in_place(padded, halo)
         cells = _cells(padded, spec)
         if 0 in spec.out_shape[2:]:
             out = block.new_zeros(spec.out_shape)
@@ -349,28 +348,24 @@ def _padded_block(block: torch.Tensor, widths: dict) -> torch.Tensor:
 @functools.lru_cache(maxsize=1024)
 def transposed_plan(n: int, in_sizes: tuple[int, ...], m: int, kernel: int, stride: int,
                     dilation: int, pad: int) -> window.AxisPlan:
-    """Input cell ``i`` adds into outputs ``i * stride - pad + dilation * k``. The
-    output block of coordinate ``c`` starts at ``offset[c] * stride``; ``need[c]``
-    is the output range its own contributions cover and ``lo``/``hi`` the widest
-    spill past any rank's output block, the ghost widths of the accumulate."""
+    """A transposed conv is a windowed op read backwards: input cell ``i`` adds
+    into the outputs ``[i * stride - pad, ... + dilation * (kernel - 1)]``, so
+    ``window.plan_axis`` with the input cells in the role of its outputs and
+    the output blocks in the role of its input blocks gives each output block's
+    reach (``need``) and the widest spill past it (``lo``/``hi``: the ghost widths
+    of the accumulate). The output block of coordinate ``c`` starts at
+    ``offset[c] * stride`` (clipped to the output), and each input block keeps
+    its own cells: the ownership is given, not derived from anchors."""
     in_offsets = np.concatenate(([0], np.cumsum(in_sizes)[:-1])).astype(np.int64)
-    starts = np.minimum(in_offsets * stride, m)
-    starts[0] = 0
-    stops = np.append(starts[1:], m)
-    lo = hi = 0
-    need = []
-    for c, size in enumerate(in_sizes):
-        if size == 0:
-            need.append((int(starts[c]), int(starts[c])))
-            continue
-        f = int(in_offsets[c]) * stride - pad
-        s = f + (size - 1) * stride + dilation * (kernel - 1) + 1
-        need.append((f, s))
-        lo, hi = max(lo, int(starts[c]) - f), max(hi, s - int(stops[c]))
-    return window.AxisPlan(out_sizes=tuple(int(b - a) for a, b in zip(starts, stops)),
-                           out_offsets=tuple(int(a) for a in starts),
-                           in_offsets=tuple(int(a) for a in starts), lo=lo, hi=hi,
-                           need=tuple(need))
+    out_starts = np.minimum(in_offsets * stride, m)
+    out_starts[0] = 0
+    out_sizes = np.diff(np.append(out_starts, m))
+    first = np.arange(n, dtype=np.int64) * stride - pad
+    spill = window.plan_axis(first, first + dilation * (kernel - 1), None, out_sizes,
+                             starts=in_offsets)
+    # plan_axis's "outputs" were the input cells: the blocks are the output's.
+    return dataclasses.replace(spill, out_sizes=tuple(int(s) for s in out_sizes),
+                               out_offsets=spill.in_offsets)
 
 
 @register(*_CONV_T)

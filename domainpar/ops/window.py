@@ -70,17 +70,20 @@ class AxisPlan:
         return first - (self.in_offsets[c] - self.lo), stop - first
 
 
-def plan_axis(first: Sequence[int], last: Sequence[int], anchor: Sequence[int],
-              in_sizes: Sequence[int]) -> AxisPlan:
+def plan_axis(first: Sequence[int], last: Sequence[int], anchor: Sequence[int] | None,
+              in_sizes: Sequence[int], starts: Sequence[int] | None = None) -> AxisPlan:
     """The plan for one dim from the per-output arrays (module docstring) and the
-    input block sizes along it."""
+    input block sizes along it. ``starts[c]``, the first output of coordinate
+    ``c``, is derived from ``anchor``, or given instead of it where ownership is
+    known beforehand (the transposed conv: see ``ops/conv.transposed_plan``)."""
     first, last = np.asarray(first, np.int64), np.asarray(last, np.int64)
-    anchor = np.asarray(anchor, np.int64)
     in_sizes = [int(s) for s in in_sizes]
     in_offsets = np.concatenate(([0], np.cumsum(in_sizes)[:-1])).astype(np.int64)
-    m = len(anchor)
-    starts = np.searchsorted(anchor, in_offsets, side="left")
-    starts[0] = 0
+    m = len(first)
+    if starts is None:
+        starts = np.searchsorted(np.asarray(anchor, np.int64), in_offsets, side="left")
+        starts[0] = 0
+    starts = np.asarray(starts, np.int64)
     stops = np.append(starts[1:], m)
     lo = hi = 0
     need = []
