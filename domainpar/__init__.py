@@ -12,10 +12,11 @@ __version__ = "0.1.0"
 # name -> submodule that defines it; importing ``ops`` registers the op rules.
 _TORCH_NAMES = {"DomainTensor": "tensor", "UnsupportedOpError": "tensor",
                 "allow_gather": "tensor", "scatter": "tensor", "DomainParallel": "nn",
+                "Balancer": "balance",
                 # opt_einsum's backend protocol for arrays of this package (ops/interop.py)
                 "einsum": "ops.interop", "tensordot": "ops.interop", "transpose": "ops.interop"}
 # torch-level subpackages reachable as attributes (``dp.io``).
-_TORCH_MODULES = ("io",)
+_TORCH_MODULES = ("io", "balance")
 
 
 def __getattr__(name):
@@ -32,6 +33,6 @@ def __getattr__(name):
     raise AttributeError(f"module 'domainpar' has no attribute {name!r}")
 
 
-__all__ = ["Decomposition", "DomainParallel", "DomainTensor", "DomainparError", "HaloExchange",
-           "LayoutError", "MismatchError", "ProcessGrid", "UnsupportedOpError", "allow_gather",
-           "init", "scatter", "__version__"]
+__all__ = ["Balancer", "Decomposition", "DomainParallel", "DomainTensor", "DomainparError",
+           "HaloExchange", "LayoutError", "MismatchError", "ProcessGrid", "UnsupportedOpError",
+           "allow_gather", "init", "scatter", "__version__"]

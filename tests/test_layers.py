@@ -33,7 +33,7 @@ FLOORS = (
     ("autograd",),              # one Function per communication primitive
     ("tensor",),                # DomainTensor, the dispatch table
     ("ops",),                   # the op families' rules
-    ("nn",),                    # DomainParallel
+    ("nn", "balance"),          # DomainParallel; dynamic load balancing
     ("io",),                    # HDF5 blocks, datasets, checkpoints
     ("__init__",),              # ``import domainpar``: re-exports (lazily up to io)
     ("coupling", "testing"),    # the C/Fortran API's Python side; public test helpers

@@ -14,6 +14,7 @@ import numpy as np
 from mpi4py import MPI
 
 from . import buffers, packing, runtime
+from .clock import blocking
 from .decomposition import Decomposition
 from .errors import LayoutError, agree, signature_of
 
@@ -127,6 +128,7 @@ def _as_array_or_error(a):
 
 
 # -- allreduce ----------------------------------------------------------------------------
+@blocking
 def allreduce(a, comm: MPI.Comm, op: str = "sum", *, check: bool = True):
     """Collective over ``comm``. Reduce ``a`` elementwise over all processes
     with ``op`` ('sum', 'max', 'min' or 'prod'), in place; returns ``a``.
@@ -173,6 +175,7 @@ class PendingReduction:
         True once it is complete."""
         return self.request.Test()
 
+    @blocking
     def wait(self) -> None:
         self.request.Wait()
         if self._wire is not self._arr:
@@ -191,6 +194,7 @@ def iallreduce(a, comm: MPI.Comm, op: str = "sum") -> PendingReduction:
     return PendingReduction(comm.Iallreduce(MPI.IN_PLACE, wire, op=_OPS[op]), wire, arr)
 
 
+@blocking
 def bcast(a, comm: MPI.Comm, root: int = 0):
     """Collective over ``comm``. ``root``'s values of the C-contiguous array ``a``
     copied into every rank's ``a`` (same shape and dtype everywhere, checked)."""
@@ -226,6 +230,7 @@ def _members(dec: Decomposition, comm: MPI.Cartcomm) -> list[int]:
     return out
 
 
+@blocking
 def allgatherv(block, dec: Decomposition):
     """Collective. The global array assembled from every rank's block, on every
     rank (numpy or CuPy, where ``block`` lives). Each group of replicas gathers
@@ -246,6 +251,7 @@ def allgatherv(block, dec: Decomposition):
     return out
 
 
+@blocking
 def gatherv(block, dec: Decomposition, root: int = 0):
     """Collective. The global array on ``root`` (None elsewhere), from the
     blocks of the ranks at coordinate 0 of every replicated axis."""
@@ -270,6 +276,7 @@ def gatherv(block, dec: Decomposition, root: int = 0):
     return out
 
 
+@blocking
 def scatterv(global_array, dec: Decomposition, root: int = 0):
     """Collective. Every rank's block of ``global_array``, which only ``root``
     needs to pass (others pass None). Returns a new numpy or CuPy array."""
@@ -303,6 +310,7 @@ def scatterv(global_array, dec: Decomposition, root: int = 0):
 
 
 # -- mirror exchange ---------------------------------------------------------------------------
+@blocking
 def mirror_exchange(send, recv, comm: MPI.Comm) -> None:
     """Pairwise collective over ``comm`` (one grid axis). Send the contiguous array
     ``send`` to the rank at the mirrored position ``size - 1 - rank`` and receive
@@ -325,19 +333,23 @@ def mirror_exchange(send, recv, comm: MPI.Comm) -> None:
 
 
 # -- repartition ------------------------------------------------------------------------------
+@blocking
 def repartition(block, src: Decomposition, dst: Decomposition):
     """Collective. Move data laid out by ``src`` into the layout ``dst`` of the
-    same global shape on the same grid (alltoallv): e.g. from sharded-on-H to
-    sharded-on-W, or from uneven to balanced blocks. Returns this rank's new
-    block (numpy or CuPy, where ``block`` lives).
+    same global shape on the same grid, or on a grid of the same processes
+    (``ProcessGrid.merged``: a dim cut over several grid axes) (alltoallv):
+    e.g. from sharded-on-H to sharded-on-W, from uneven to balanced blocks, or
+    from H and W on two axes to H over both. Returns this rank's new block
+    (numpy or CuPy, where ``block`` lives).
 
     A destination block takes each piece from the source rank that shares its
     coordinates on the axes ``src`` replicates, so replicas never send twice.
     """
     arr = _as_array_or_error(block)
     problem = plan = None
-    if src.grid is not dst.grid:
-        problem = "repartition: source and destination decompositions are on different grids"
+    if src.grid.root is not dst.grid.root:
+        problem = ("repartition: source and destination decompositions are on grids of "
+                   "different processes (neither is merged from the other's grid)")
     elif src.global_shape != dst.global_shape:
         problem = (f"repartition: global shapes differ ({src.global_shape} -> "
                    f"{dst.global_shape})")
@@ -361,7 +373,7 @@ def repartition(block, src: Decomposition, dst: Decomposition):
 def _repartition_plan(src: Decomposition, dst: Decomposition, itemsize: int):
     """Index math of a repartition, for this rank: (boxes, byte counts, byte
     displacements) of what it sends, in rank order, and of what it receives."""
-    grid = src.grid
+    grid, in_dst = src.grid, src.grid.ranks_in(dst.grid)  # ranks of src's grid, in dst's
     me, reps = grid.coords, src.replicated_axes
     mine_src, mine_dst = src.local_slices(), dst.local_slices()
     send_boxes, recv_boxes, send_sizes, recv_sizes = [], [], [], []
@@ -371,7 +383,7 @@ def _repartition_plan(src: Decomposition, dst: Decomposition, itemsize: int):
             send_sizes.append(0)
             recv_sizes.append(0)
             continue
-        out_box = _intersect(mine_src, dst.local_slices(r))
+        out_box = _intersect(mine_src, dst.local_slices(in_dst[r]))
         in_box = _intersect(src.local_slices(r), mine_dst)
         send_sizes.append(_box_size(out_box))
         recv_sizes.append(_box_size(in_box))
@@ -403,6 +415,7 @@ class PendingShift:
         inside calls); True once every message has arrived."""
         return not self.requests or MPI.Request.Testall(self.requests)
 
+    @blocking
     def wait(self) -> None:
         if self.requests:
             MPI.Request.Waitall(self.requests)

@@ -15,6 +15,8 @@ import zlib
 import numpy as np
 from mpi4py import MPI
 
+from .clock import blocking
+
 
 class DomainparError(Exception):
     """Base class of every error domainpar raises on purpose."""
@@ -33,6 +35,7 @@ def signature_of(*values) -> int:
     return zlib.crc32(repr(values).encode()) & 0x7FFFFFFF
 
 
+@blocking
 def agree(comm: MPI.Comm, problem: str | None, *, signature: int = 0,
           what: str = "arguments", described: object = "") -> None:
     """Collective. Raise the same error on every rank if any rank found a problem.
@@ -68,6 +71,7 @@ def fault_timeout() -> float:
         return 60.0
 
 
+@blocking
 def completes_within(request: MPI.Request, limit: float) -> bool:
     """Local. Whether the nonblocking ``request`` completed within ``limit``
     seconds (0: waits as long as it takes)."""

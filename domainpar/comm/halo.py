@@ -31,6 +31,7 @@ import numpy as np
 from mpi4py import MPI
 
 from . import buffers, packing, runtime
+from .clock import blocking
 from .decomposition import Decomposition
 from .errors import LayoutError, agree, signature_of
 
@@ -223,6 +224,7 @@ class HaloExchange:
               what=f"HaloExchange.{op} array dtypes", described=dtype)
         return arr
 
+    @blocking
     def fill(self, a, *, check: bool = True):
         """Neighbour-wise collective. Copy owners' values into the ghost cells of
         ``a`` (numpy, CuPy or torch; modified in place and returned). Periodic
@@ -237,6 +239,7 @@ class HaloExchange:
         self._plan_for(arr).execute(arr, adjoint=False)
         return a
 
+    @blocking
     def accumulate(self, a, *, check: bool = True):
         """Neighbour-wise collective. The adjoint of ``fill``: add the ghost cells
         of ``a`` into their owners' cells, then zero the ghosts ``fill`` writes

@@ -1,0 +1,248 @@
+"""Balancer: measured per-rank compute -> new block sizes along the sharded dims.
+
+Each ``step()`` ends a measured span: this rank's compute time is the span's
+wall time less the time it spent blocked in domainpar's communication
+(``comm.clock``), its throughput the cells of its block over that time. One
+allreduce gives every rank every rank's measurement; each rank then smooths
+them the same way (an exponential moving average of the seconds per cell) and
+computes the same new sizes from the same numbers, so they agree without a
+decision message (the new Decomposition's construction checks it). The layout
+moves only when the predicted step time drops by more than ``threshold``
+(hysteresis: noisy measurements do not make it oscillate). The data follow
+with ``layout(x)`` (a repartition); the model's parameters are replicated and
+are not touched.
+"""
+from __future__ import annotations
+
+import math
+import time
+from typing import Mapping, Sequence
+
+import numpy as np
+
+from ..comm import clock, collectives
+from ..comm.decomposition import Decomposition
+from ..comm.errors import LayoutError, agree
+from ..tensor import DomainTensor
+from . import sizes as plan
+
+
+class Balancer:
+    """Collective (a consistency check). Dynamic load balancing of the blocks of
+    ``decomposition`` (the data's reference layout) along its sharded dims, or
+    along ``dims`` only.
+
+    Call ``step()`` on every rank once per training step (after the optimizer
+    step, say), and pass each step's data through ``layout(x)`` before the
+    model. ``threshold``: the least predicted saving of step time that moves
+    the layout (0.05: 5%). ``smoothing``: the weight of a new measurement in
+    the moving average (1: only the newest counts). ``every``: consider moving
+    every this many steps. ``warmup``: steps not measured at the start and
+    after each move (first-call costs: kernel selection, halo plans).
+    ``min_size``: fewest rows a block keeps, so every rank goes on measuring.
+    ``unit``: ``{dim: k}``, blocks in whole ``k`` rows (``Decomposition``'s align).
+    """
+
+    def __init__(self, decomposition: Decomposition, *, dims: Sequence[int] | None = None,
+                 threshold: float = 0.05, smoothing: float = 0.5, every: int = 1,
+                 warmup: int = 1, min_size: int = 1, unit: Mapping[int, int] | None = None):
+        dec = decomposition
+        self.grid, self._comm = dec.grid, dec.grid.comm
+        problem = _check_options(dec, dims, threshold, smoothing, every, warmup, min_size, unit)
+        agree(self._comm, problem, what="Balancer options",
+              described=(dims, threshold, smoothing, every, warmup, min_size, unit))
+        self.dims = tuple(sorted(d % len(dec.global_shape) for d in dims)) if dims is not None \
+            else tuple(dec.shard)
+        self.threshold, self.smoothing, self.every = float(threshold), float(smoothing), every
+        self.warmup, self.min_size, self.unit = warmup, min_size, dict(unit or {})
+        self.decomposition = dec
+        self._coords = [self.grid.coords_of(r) for r in range(self._comm.Get_size())]
+        self._cost = np.full(self._comm.Get_size(), np.nan)  # smoothed seconds per cell
+        self._steps, self._skip = 0, warmup
+        self.history: list[dict] = []
+        self.start()
+
+    # -- the data's layout ---------------------------------------------------------------
+    @property
+    def sizes(self) -> dict[int, tuple[int, ...]]:
+        """Local. The current block sizes of the balanced dims."""
+        return {d: self.decomposition.block_sizes(d) for d in self.dims}
+
+    def decomposition_for(self, global_shape: Sequence[int],
+                          shard: Mapping[int, int] | None = None) -> Decomposition:
+        """Collective (a consistency check). The current layout for another
+        tensor of the data stream (a target with other channels): ``shard``
+        (default: the reference's) with the current sizes along the balanced
+        dims, which must have the reference's lengths and grid axes."""
+        shard = dict(self.decomposition.shard if shard is None else shard)
+        shard = {d % len(global_shape): a for d, a in shard.items()}
+        return Decomposition(global_shape, self.grid, shard, self._sizes_for(global_shape, shard))
+
+    def layout(self, x: DomainTensor) -> DomainTensor:
+        """Collective when it moves data. ``x`` laid out with the current sizes
+        along the balanced dims (``x`` itself when it already is; otherwise an
+        alltoallv, differentiable). Its other sharded dims keep their sizes."""
+        if not isinstance(x, DomainTensor):
+            raise LayoutError(f"Balancer.layout takes a DomainTensor, got {type(x).__name__}")
+        dec = x.decomposition
+        if dec.grid is not self.grid and dec.grid.comm != self._comm:
+            raise LayoutError("Balancer.layout: the tensor lives on another grid")
+        wanted = self._sizes_for(dec.global_shape, dec.shard)
+        if all(dec.block_sizes(d) == s for d, s in wanted.items()):
+            return x
+        return x.redistribute(dec.shard, {**{d: dec.block_sizes(d) for d in dec.shard},
+                                          **wanted})
+
+    def _sizes_for(self, global_shape, shard) -> dict[int, tuple[int, ...]]:
+        """Local. The current sizes of the balanced dims that ``shard`` cuts, after
+        checking that they match the reference layout (metadata alike on every
+        rank: a mismatch raises on every rank)."""
+        ref = self.decomposition
+        out = {}
+        for d, s in self.sizes.items():
+            if d not in shard:
+                continue
+            if shard[d] != ref.shard[d] or global_shape[d] != ref.global_shape[d]:
+                raise LayoutError(
+                    f"Balancer: dim {d} of shape {tuple(global_shape)} on grid axis "
+                    f"{shard[d]} does not match the balanced layout's dim {d} (length "
+                    f"{ref.global_shape[d]}, grid axis {ref.shard[d]})")
+            out[d] = s
+        return out
+
+    # -- measuring and deciding ------------------------------------------------------------
+    def start(self) -> None:
+        """Local. Begin a measured span now (``step()`` begins the next one itself)."""
+        self._t0, self._b0 = time.perf_counter(), clock.blocked_seconds()
+
+    def step(self, compute_seconds: float | None = None) -> bool:
+        """Collective (one allreduce over the grid, and a layout check when it
+        moves). End the span begun by the last ``step()``: measure every rank,
+        agree, and choose new sizes when the predicted saving exceeds the
+        threshold. ``compute_seconds``: this rank's compute time in the span,
+        in place of the measured one (a user's own timer; tests inject figures).
+        Returns True when the layout moved: pass the next data through ``layout``."""
+        wall = time.perf_counter() - self._t0
+        seconds = wall - (clock.blocked_seconds() - self._b0) if compute_seconds is None \
+            else compute_seconds
+        costs = self._gather(seconds, math.prod(self.decomposition.local_shape()))
+        self._steps += 1
+        moved = False
+        if self._skip:
+            self._skip -= 1
+        else:
+            self._smooth(costs)
+            if self._steps % self.every == 0:
+                moved = self._consider()
+        self.start()
+        return moved
+
+    def _gather(self, seconds, cells: int) -> np.ndarray:
+        """Collective. Every rank's seconds per cell (NaN: no measurement, a rank
+        with no cells or no compute time); a bad figure raises on every rank."""
+        size, rank = self._comm.Get_size(), self._comm.Get_rank()
+        v = np.zeros(3 * size)
+        try:
+            seconds = float(seconds)
+            bad = not math.isfinite(seconds) or seconds < 0
+        except (TypeError, ValueError):
+            seconds, bad = 0.0, True
+        if bad:
+            v[2 * size + rank] = 1
+        elif cells > 0 and seconds > 0:
+            v[rank], v[size + rank] = seconds / cells, 1
+        collectives.allreduce(v, self._comm, check=False)
+        wrong = [r for r in range(size) if v[2 * size + r]]
+        if wrong:
+            raise LayoutError(f"Balancer.step: compute_seconds must be a finite number >= 0 "
+                              f"(not on rank(s) {wrong})")
+        return np.where(v[size:2 * size] > 0, v[:size], np.nan)
+
+    def _smooth(self, costs: np.ndarray) -> None:
+        """Local. The moving average of the seconds per cell, rank by rank."""
+        fresh = ~np.isnan(costs)
+        old = self._cost
+        mixed = np.where(np.isnan(old), costs, (1 - self.smoothing) * old + self.smoothing * costs)
+        self._cost = np.where(fresh, mixed, old)
+
+    def _consider(self) -> bool:
+        """Collective when it moves (the new Decomposition's agreement check).
+        Move to the proposed sizes when they save more than the threshold."""
+        throughput = self.throughput_estimate()
+        if throughput is None:
+            return False
+        ref = self.decomposition
+        current = {d: ref.block_sizes(d) for d in ref.shard}
+        proposal = plan.balanced_plan(ref.global_shape, ref.shard, self.grid.dims, self._coords,
+                                      throughput, self.dims, self.min_size, self.unit)
+        saving = plan.gain(current, proposal, ref.shard, self._coords, throughput)
+        moved = saving > self.threshold and any(proposal[d] != current[d] for d in proposal)
+        self.history.append({"step": self._steps, "throughput": throughput.tolist(),
+                             "sizes": {d: list(s) for d, s in current.items()},
+                             "proposed": {d: list(s) for d, s in proposal.items()},
+                             "predicted_saving": saving, "moved": moved})
+        if moved:
+            self.decomposition = Decomposition(ref.global_shape, self.grid, ref.shard,
+                                               {**current, **proposal})
+            self._skip = self.warmup
+        return moved
+
+    # -- what it knows ---------------------------------------------------------------------
+    def throughput_estimate(self) -> np.ndarray | None:
+        """Local (alike on every rank). The smoothed throughput per rank, cells
+        per second; a rank never measured gets the mean seconds per cell of the
+        others; None before any rank has been measured."""
+        if np.isnan(self._cost).all():
+            return None
+        cost = np.where(np.isnan(self._cost), np.nanmean(self._cost), self._cost)
+        return 1.0 / cost
+
+    def predicted_step(self, sizes: Mapping[int, Sequence[int]] | None = None) -> float | None:
+        """Local. The slowest rank's predicted compute seconds with ``sizes``
+        (default: the current ones) at the estimated throughputs."""
+        throughput = self.throughput_estimate()
+        if throughput is None:
+            return None
+        ref = self.decomposition
+        every = {**{d: ref.block_sizes(d) for d in ref.shard}, **(sizes or {})}
+        rest = math.prod(n for d, n in enumerate(ref.global_shape) if d not in ref.shard)
+        return rest * plan.predicted_time(every, ref.shard, self._coords, throughput)
+
+    def ideal_step(self) -> float | None:
+        """Local. Total work over total throughput: the step time of a perfect
+        balance, in seconds (replicated axes count each copy of the data once
+        per rank holding it)."""
+        throughput = self.throughput_estimate()
+        if throughput is None:
+            return None
+        cells = math.prod(self.decomposition.global_shape)
+        copies = math.prod(self.grid.dims[a] for a in self.decomposition.replicated_axes)
+        return cells * copies / float(throughput.sum())
+
+    def shares(self) -> np.ndarray | None:
+        """Local. Each rank's fraction of the total throughput (sums to 1): the
+        per-rank capacities of a partition that is not a block layout (points)."""
+        throughput = self.throughput_estimate()
+        return None if throughput is None else throughput / throughput.sum()
+
+
+def _check_options(dec, dims, threshold, smoothing, every, warmup, min_size, unit) -> str | None:
+    """Local. What is wrong with the Balancer's arguments, or None."""
+    if not isinstance(dec, Decomposition):
+        return f"Balancer takes a Decomposition, got {type(dec).__name__}"
+    ndim = len(dec.global_shape)
+    for d in (dims if dims is not None else ()):
+        if not isinstance(d, int) or not -ndim <= d < ndim or d % ndim not in dec.shard:
+            return f"Balancer: dims {list(dims)} must name sharded dims of {dec.shard}"
+    if not (isinstance(threshold, (int, float)) and 0 <= threshold < 1):
+        return f"Balancer: threshold must be in [0, 1), got {threshold!r}"
+    if not (isinstance(smoothing, (int, float)) and 0 < smoothing <= 1):
+        return f"Balancer: smoothing must be in (0, 1], got {smoothing!r}"
+    for name, value, least in (("every", every, 1), ("warmup", warmup, 0),
+                               ("min_size", min_size, 0)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < least:
+            return f"Balancer: {name} must be an integer >= {least}, got {value!r}"
+    for d, k in (unit or {}).items():
+        if isinstance(k, bool) or not isinstance(k, int) or k < 1 or d not in dec.shard:
+            return f"Balancer: unit {unit} must map sharded dims to positive integers"
+    return None

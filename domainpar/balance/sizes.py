@@ -1,0 +1,92 @@
+"""Block sizes from per-rank throughputs: the balancer's arithmetic (numpy only).
+
+Local, and deterministic: every rank that passes the same numbers gets the same
+sizes, bit for bit, which is how the ranks agree without a second message.
+
+The model: rank ``r`` computes its block at ``throughput[r]`` cells per second,
+so its step takes ``cells_r / throughput[r]`` and the step takes the slowest
+rank's time. Blocks are a tensor product (each sharded dim is cut once, along
+its grid axis), so per-rank throughputs are fitted as a product of one speed
+per grid coordinate of each sharded dim (the geometric mean of the ranks at
+that coordinate; exact when the throughputs are such a product, as on a 1-D
+grid). Each dim's rows are then shared in proportion to its speeds, in whole
+``unit`` rows, at least ``min_size`` rows each, rounded so that the predicted
+step time is least.
+"""
+from __future__ import annotations
+
+import math
+from typing import Mapping, Sequence
+
+import numpy as np
+
+
+def predicted_time(sizes: Mapping[int, Sequence[int]], shard: Mapping[int, int],
+                   coords: Sequence[Sequence[int]], throughput: Sequence[float]) -> float:
+    """Local. The slowest rank's time (seconds per cell of the unsharded dims)
+    with ``sizes`` ({dim: per-coordinate sizes}) at ``throughput`` (per rank)."""
+    worst = 0.0
+    for r, c in enumerate(coords):
+        cells = math.prod(sizes[d][c[a]] for d, a in shard.items())
+        worst = max(worst, cells / throughput[r])
+    return worst
+
+
+def axis_speeds(throughput: Sequence[float], coords: Sequence[Sequence[int]], axis: int,
+                parts: int) -> np.ndarray:
+    """Local. One speed per coordinate along grid ``axis``: the geometric mean of
+    the throughputs of the ranks at that coordinate, normalised to sum 1."""
+    logs = np.zeros(parts)
+    counts = np.zeros(parts)
+    for r, c in enumerate(coords):
+        logs[c[axis]] += math.log(throughput[r])
+        counts[c[axis]] += 1
+    speeds = np.exp(logs / counts - (logs / counts).max())
+    return speeds / speeds.sum()
+
+
+def proportional_sizes(n: int, speeds: Sequence[float], min_size: int = 1,
+                       unit: int = 1) -> tuple[int, ...]:
+    """Local. ``n`` rows in ``len(speeds)`` blocks, as near ``n * speed`` each as
+    whole ``unit``s allow (the rows ``n % unit`` left over go to the last block),
+    none under ``min_size`` rows when ``n`` has room, the largest ratio
+    ``size / speed`` as small as it can be (ties: the lowest coordinate first)."""
+    parts = len(speeds)
+    units = n // unit
+    floor = min(-(-min_size // unit), units // parts)  # min_size in units, if there is room
+    w = np.asarray(speeds, dtype=float)
+    got = np.maximum(floor, np.floor(units * w / w.sum())).astype(np.int64)
+    while got.sum() < units:  # add where the time after adding is least
+        got[int(np.argmin((got + 1) / w))] += 1
+    while got.sum() > units:  # take from the slowest that can give
+        ratios = np.where(got > floor, got / w, -np.inf)
+        got[int(np.argmax(ratios))] -= 1
+    sizes = [int(g) * unit for g in got]
+    sizes[-1] += n - units * unit
+    return tuple(sizes)
+
+
+def balanced_plan(global_shape: Sequence[int], shard: Mapping[int, int],
+                  grid_dims: Sequence[int], coords: Sequence[Sequence[int]],
+                  throughput: Sequence[float], dims: Sequence[int],
+                  min_size: int = 1, unit: Mapping[int, int] | None = None
+                  ) -> dict[int, tuple[int, ...]]:
+    """Local. New sizes for each dim in ``dims`` (sharded dims) that equalise the
+    predicted step times at ``throughput`` (one per rank, in rank order)."""
+    unit = unit or {}
+    plan = {}
+    for d in dims:
+        axis = shard[d]
+        speeds = axis_speeds(throughput, coords, axis, grid_dims[axis])
+        plan[d] = proportional_sizes(global_shape[d], speeds, min_size, unit.get(d, 1))
+    return plan
+
+
+def gain(current: Mapping[int, Sequence[int]], proposed: Mapping[int, Sequence[int]],
+         shard: Mapping[int, int], coords: Sequence[Sequence[int]],
+         throughput: Sequence[float]) -> float:
+    """Local. The predicted fraction of the step time saved by moving from
+    ``current`` to ``proposed`` sizes (0 when nothing is saved)."""
+    before = predicted_time(current, shard, coords, throughput)
+    after = predicted_time({**current, **proposed}, shard, coords, throughput)
+    return max(0.0, 1.0 - after / before) if before > 0 else 0.0

@@ -1,0 +1,71 @@
+"""The balancer's arithmetic (domainpar.balance.sizes), serial: rounding that
+minimises the slowest block's time (checked against every composition of small
+sizes), minimum sizes and units, the separable fit on 2-D grids, and the
+predicted saving."""
+import itertools
+import math
+
+import numpy as np
+import pytest
+
+from domainpar.balance import balanced_plan, gain, predicted_time, proportional_sizes
+
+
+def compositions(n, parts):
+    for cuts in itertools.combinations_with_replacement(range(n + 1), parts - 1):
+        edges = (0, *cuts, n)
+        yield tuple(b - a for a, b in zip(edges, edges[1:]))
+
+
+@pytest.mark.parametrize("n", [0, 1, 5, 11])
+@pytest.mark.parametrize("speeds", [(1, 1), (1, 3), (0.2, 1, 2.5), (3, 1, 1, 0.5)])
+@pytest.mark.parametrize("min_size", [0, 1, 2])
+def test_rounding_is_the_best_composition(n, speeds, min_size):
+    got = proportional_sizes(n, speeds, min_size)
+    assert sum(got) == n
+    floor = min(min_size, n // len(speeds))
+    allowed = [c for c in compositions(n, len(speeds)) if min(c) >= floor]
+    best = min(max(s / w for s, w in zip(c, speeds)) for c in allowed)
+    assert min(got) >= floor
+    assert max(s / w for s, w in zip(got, speeds)) == pytest.approx(best)
+
+
+def test_proportional_to_speed():
+    assert proportional_sizes(100, [1, 3]) == (25, 75)
+    assert proportional_sizes(90, [1, 2, 3, 3]) == (10, 20, 30, 30)
+    assert proportional_sizes(10, [0.001, 1, 1], min_size=2) == (2, 4, 4)
+
+
+def test_units_keep_whole_rows_and_the_remainder_goes_last():
+    got = proportional_sizes(35, [1, 2, 1], unit=4)
+    assert sum(got) == 35 and all(s % 4 == 0 for s in got[:-1]) and got[-1] % 4 == 3
+    assert got[:2] == (8, 16)
+
+
+def test_separable_throughputs_are_balanced_exactly_on_a_2d_grid():
+    dims = (2, 3)
+    coords = list(itertools.product(range(2), range(3)))
+    s0, s1 = (1.0, 3.0), (1.0, 2.0, 1.0)
+    throughput = [s0[a] * s1[b] for a, b in coords]
+    shard = {1: 0, 2: 1}
+    plan = balanced_plan((1, 40, 48), shard, dims, coords, throughput, dims=(1, 2))
+    assert plan == {1: (10, 30), 2: (12, 24, 12)}
+    times = [plan[1][a] * plan[2][b] / t for (a, b), t in zip(coords, throughput)]
+    assert max(times) == pytest.approx(min(times))
+    even = {1: (20, 20), 2: (16, 16, 16)}
+    assert predicted_time(even, shard, coords, throughput) == pytest.approx(320)
+    assert gain(even, plan, shard, coords, throughput) == pytest.approx(1 - 120 / 320)
+
+
+def test_only_the_named_dims_move():
+    coords = [(0,), (1,)]
+    plan = balanced_plan((30, 8), {0: 0}, (2,), coords, [1.0, 2.0], dims=(0,))
+    assert plan == {0: (10, 20)}
+    assert gain({0: (10, 20)}, plan, {0: 0}, coords, [1.0, 2.0]) == 0.0
+
+
+def test_no_saving_is_zero_not_negative():
+    coords = [(0,), (1,)]
+    assert gain({0: (10, 20)}, {0: (20, 10)}, {0: 0}, coords, [1.0, 2.0]) == 0.0
+    assert math.isclose(gain({0: (20, 10)}, {0: (10, 20)}, {0: 0}, coords, [1.0, 2.0]), 0.5)
+    assert np.isfinite(predicted_time({0: (0, 30)}, {0: 0}, coords, [1.0, 2.0]))
