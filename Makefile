@@ -54,6 +54,9 @@ TEST_REQUIREMENTS := pytest pytest-mpi pytest-timeout hypothesis opt-einsum tens
 NODEPS_TEST_REQUIREMENTS := neuraloperator tensorly-torch
 # The `plots` extra in pyproject.toml: PNGs from `domainpar bench` and the demo.
 PLOT_REQUIREMENTS := matplotlib
+# The `docs` extra in pyproject.toml: the Sphinx site (`make docs`, docs/conf.py),
+# pure-Python wheels; installed by setup so that `make test` can build it.
+DOCS_REQUIREMENTS := sphinx myst-parser numpydoc furo
 
 H5PY_VERSION := $(shell sed -n 's/^h5py==\([^ #]*\).*/\1/p' constraints.txt)
 H5PY_WHEEL_CACHE ?= $(or $(XDG_CACHE_HOME),$(HOME)/.cache)/domainpar/wheels
@@ -117,7 +120,7 @@ TCP_K := fill_equals or accumulate_is or allreduce or allgatherv_equals \
 	or repartition_named or repartition_adjoint or domain_parallel_gradients_match \
 	or training_matches or ring_shift_adjoint or sdpa_matches
 
-.PHONY: help setup sysdeps kernels test test-large demo coupling clean distclean FORCE
+.PHONY: help setup sysdeps kernels test test-large demo docs coupling clean distclean FORCE
 
 help:
 	@echo "make demo       set up, then the main job on $(DEMO_NP) ranks: solve, write HDF5, train a 3-D UNet, check, plot"
@@ -125,11 +128,12 @@ help:
 	echo "make test-large a subset of the MPI tests on 16 ranks (larger grids; not in make test)"
 	echo "make setup      only the setup: apt packages, .venv, parallel h5py, package, kernels"
 	echo "make kernels    (re)build the native kernels with CMake when their sources changed"
+	echo "make docs       the documentation site (Sphinx, warnings are errors) into build/docs"
 	echo "make coupling   build the C/Fortran coupling examples and run each on 4 ranks"
 	echo "make clean      remove build/ and domainpar/_native/ (keeps .venv)"
 	echo "make distclean  also remove .venv (the h5py wheel cache in $(H5PY_WHEEL_CACHE) stays)"
 
-setup: sysdeps $(STAMPS)/pkg kernels
+setup: sysdeps $(STAMPS)/pkg $(STAMPS)/docs kernels
 
 # Checked on every run instead of stamped: dpkg-query takes milliseconds and
 # notices packages removed since. apt only runs when something is missing.
@@ -226,6 +230,12 @@ $(STAMPS)/pkg: pyproject.toml setup.py $(wildcard domainpar/__init__.py) $(STAMP
 	$(PIP_INSTALL) --no-deps $(NODEPS_TEST_REQUIREMENTS)
 	touch $@
 
+# The docs tools, stamped apart so that an existing setup gets them too.
+$(STAMPS)/docs: $(STAMPS)/pkg
+	@echo "==> installing the docs tools"
+	$(PIP_INSTALL) $(DOCS_REQUIREMENTS)
+	touch $@
+
 # Native kernels. The stamp lives in build/ next to what it stands for, so
 # deleting build/ rebuilds. cmake's own incremental build does the fine work;
 # the stamp only saves starting cmake when no source changed.
@@ -283,6 +293,9 @@ test: setup
 	stage serial $(PY) -m pytest -q -p no:cacheprovider --color=$$color -m "not mpi" \
 		--timeout=$(TEST_TIMEOUT) $(PYTEST_ARGS) tests
 	if [ $$failed -eq 0 ] || [ -z "$(FAIL_FAST)" ]; then
+		stage docs $(SPHINX)
+	fi
+	if [ $$failed -eq 0 ] || [ -z "$(FAIL_FAST)" ]; then
 		for n in $(NP_LIST); do
 			stage mpi-n$$n $(PY) tests/run_mpi.py -n $$n -q --color=$$color $(PYTEST_ARGS) || break
 		done
@@ -315,6 +328,14 @@ demo: setup
 	@set -x
 	env $(MPI_RUN_ENV) timeout -k 10 1800 $(MPIEXEC) -n $(DEMO_NP) \
 		$(abspath $(VENV))/bin/domainpar demo -n $(DEMO_NP) $(DEMO_ARGS)
+
+# The documentation site (docs/conf.py): Markdown pages, the design map, the
+# API reference from docstrings, the generated op table. Warnings are errors;
+# -E rebuilds from scratch (a few seconds), so a stale page cannot hide one.
+SPHINX = $(PY) -m sphinx -W --keep-going -E -b html docs build/docs
+docs: setup
+	@$(SPHINX)
+	echo "docs: build/docs/index.html"
 
 # The coupling examples: C and Fortran simulations training a domainpar model
 # online (examples/coupling/README.md). CMake builds them with the kernels; the

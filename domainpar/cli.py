@@ -74,7 +74,7 @@ def build_parser() -> argparse.ArgumentParser:
                          "(Markdown), generated from the dispatch table, or rewrite it in a "
                          "file between its markers.")
     ops.add_argument("--write", metavar="FILE",
-                     help="replace the table between the op-table markers in FILE (README.md)")
+                     help="replace the table between the op-table markers in FILE (docs/ops.md)")
     ops.set_defaults(run=_ops, nprocs=1)
 
     for name in COMMAND_MODULES:

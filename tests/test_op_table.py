@@ -1,16 +1,17 @@
-"""README's supported-op table is the one generated from the dispatch table."""
+"""The docs' supported-op table (docs/ops.md) is the one generated from the
+dispatch table."""
 from pathlib import Path
 
 from domainpar.ops import table
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+OPS_PAGE = Path(__file__).resolve().parents[1] / "docs" / "ops.md"
 
 
-def test_readme_op_table_is_current():
-    text = README.read_text(encoding="utf-8")
+def test_docs_op_table_is_current():
+    text = OPS_PAGE.read_text(encoding="utf-8")
     assert table.BEGIN in text and table.END in text
     assert table.replace_in(text) == text, (
-        "README's op table is stale: run `domainpar ops --write README.md`")
+        "docs/ops.md's op table is stale: run `domainpar ops --write docs/ops.md`")
 
 
 def test_every_family_has_rows_with_semantics():
@@ -28,7 +29,7 @@ def test_cli_prints_the_table_and_rewrites_a_file(tmp_path):
     out = subprocess.run([sys.executable, "-m", "domainpar.cli", "ops"], capture_output=True,
                          text=True, check=True).stdout
     assert out.strip() == table.markdown()
-    stale = tmp_path / "README.md"
+    stale = tmp_path / "ops.md"
     stale.write_text(f"intro\n{table.BEGIN}\nold rows\n{table.END}\nrest\n", encoding="utf-8")
     subprocess.run([sys.executable, "-m", "domainpar.cli", "ops", "--write", str(stale)],
                    check=True)

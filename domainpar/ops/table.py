@@ -2,9 +2,9 @@
 with the torch callables bound to it and the first paragraph of the rule's
 docstring (its MPI semantics and supported options).
 
-README.md carries the table between two markers; ``python -m domainpar.ops.table
---write README.md`` (or ``domainpar ops --write README.md``) regenerates it and a
-test checks that it is current.
+The docs page docs/ops.md carries the table between two markers; ``python -m
+domainpar.ops.table --write docs/ops.md`` (or ``domainpar ops --write docs/ops.md``)
+regenerates it and tests/test_op_table.py checks that it is current.
 """
 from __future__ import annotations
 
@@ -80,7 +80,7 @@ def main(argv=None) -> int:
         prog="domainpar ops", description="Print the table of torch ops that work on "
         "DomainTensors, generated from the dispatch table, or rewrite it in a file.")
     parser.add_argument("--write", metavar="FILE", help="replace the table between the "
-                        f"{BEGIN} and {END} markers in FILE (README.md)")
+                        f"{BEGIN} and {END} markers in FILE (docs/ops.md)")
     args = parser.parse_args(argv)
     if args.write:
         with open(args.write, encoding="utf-8") as f:

@@ -69,7 +69,7 @@ def _random_like(value, space, seed: int, rank: int) -> Any:
 def adjoint_test(forward: Callable, x, *, adjoint: Callable | None = None, x_space=None,
                  y_space=None, rtol: float | None = None, seed: int = 0) -> float:
     """Collective. Dot-product test of a linear map F (``forward``) and its adjoint:
-    |<F x, y> - <x, F* y>| relative to the terms, for a random ``y``.
+    ``|<F x, y> - <x, F* y>|`` relative to the terms, for a random ``y``.
 
     ``adjoint`` defaults to what backward computes (the vector-Jacobian product
     of ``forward`` at ``x``), which is what the test is for. ``x_space`` and

@@ -1,0 +1,34 @@
+"""Sphinx configuration: `make docs` builds the site into build/docs, and
+`make test` builds it with warnings as errors (stage `docs`).
+
+Pages are Markdown (myst-parser); the API reference comes from the public
+names' docstrings (autodoc, numpydoc sections). The op table in ops.md is
+generated from the dispatch table (`domainpar ops --write docs/ops.md`), and
+tests/test_op_table.py keeps it current.
+"""
+project = "domainpar"
+author = "the domainpar developers"
+copyright = "the domainpar developers"
+
+extensions = ["myst_parser", "sphinx.ext.autodoc", "numpydoc"]
+# .rst only because numpydoc loads autosummary, which asks for it; the pages
+# are all Markdown.
+source_suffix = {".md": "markdown", ".rst": "restructuredtext"}
+root_doc = "index"
+exclude_patterns = ["_build"]
+
+# `## A heading` gets the anchor `#a-heading`, as on GitHub, so pages link to
+# each other's sections (`design.md#adjoint-pairs`).
+myst_heading_anchors = 3
+
+# The public face's docstrings open with their MPI semantics ("Collective.",
+# "Local."); numpydoc renders their Parameters/Returns sections. Members are
+# listed where api.md asks for them, so the class pages stay the public ones.
+autodoc_member_order = "bysource"
+autodoc_typehints = "none"
+numpydoc_show_class_members = False
+numpydoc_class_members_toctree = False
+
+html_theme = "furo"
+html_title = "domainpar"
+
