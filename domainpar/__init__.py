@@ -16,7 +16,7 @@ _TORCH_NAMES = {"DomainTensor": "tensor", "UnsupportedOpError": "tensor",
                 # opt_einsum's backend protocol for arrays of this package (ops/interop.py)
                 "einsum": "ops.interop", "tensordot": "ops.interop", "transpose": "ops.interop"}
 # torch-level subpackages reachable as attributes (``dp.io``).
-_TORCH_MODULES = ("io", "balance")
+_TORCH_MODULES = ("io", "balance", "points")
 
 
 def __getattr__(name):

@@ -32,7 +32,7 @@ FLOORS = (
     ("comm",),                  # MPI and arrays, no torch
     ("autograd",),              # one Function per communication primitive
     ("tensor",),                # DomainTensor, the dispatch table
-    ("ops",),                   # the op families' rules
+    ("ops", "points"),         # the op families' rules; point sets (partition, search)
     ("nn", "balance"),          # DomainParallel; dynamic load balancing
     ("io",),                    # HDF5 blocks, datasets, checkpoints
     ("__init__",),              # ``import domainpar``: re-exports (lazily up to io)

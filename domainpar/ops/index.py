@@ -15,8 +15,12 @@ it without talking. What does need messages:
   ``P-1-c``: a mirror exchange along the axis (``autograd.mirror``). The
   output's block sizes along that dim are the input's, reversed.
 
-Advanced indexing (index tensors, masks) is local on unsharded dims and
-refused on sharded ones. Nothing here gathers a whole tensor.
+Advanced indexing (index tensors, masks) is local on unsharded dims. On a
+sharded dim, a DomainTensor of global indices (``x[idx]``) is a routed exchange
+(``domainpar.points.rules``, which also holds index_select, gather, index_add,
+scatter_add/scatter_reduce and cdist); plain index tensors and masks are refused
+there (their results would have no layout to go to). Nothing here gathers a
+whole tensor.
 """
 from __future__ import annotations
 
@@ -290,11 +294,15 @@ def _basic_plan(func, x: DomainTensor, index):
 def getitem(func, args, kwargs):
     """Local for slices, None, Ellipsis and ints on unsharded dims; an int on a
     sharded dim costs a repartition (the one owner's slab made whole). Index
-    tensors and masks are local on unsharded dims and refused on sharded ones."""
+    tensors and masks are local on unsharded dims; on a sharded dim a DomainTensor
+    of global indices is a routed exchange (``points.rules``), others are refused."""
     x, index = args[0], args[1]
     if not isinstance(x, DomainTensor):
         raise UnsupportedOpError(f"{op_name(func)}: indexing a plain tensor with a DomainTensor "
                                  f"is not supported")
+    if any(isinstance(i, DomainTensor) for i in (index if isinstance(index, tuple) else (index,))):
+        from ..points.rules import getitem_routed  # global indices: a routed exchange
+        return getitem_routed(func, x, index)
     local, dec, drop, squeeze_int = _basic_plan(func, x, index)
     local, dec = _unshard_and_drop(local, dec, sorted(drop + squeeze_int))
     return DomainTensor(local, dec)
@@ -549,3 +557,8 @@ def roll(func, args, kwargs):
         pieces = [DomainTensor(tail, tail_dec), DomainTensor(head, head_dec)]
         local, _ = _cat(func, pieces, d, tail_dec, out_sizes=dec.block_sizes(d))
     return DomainTensor(local, dec)
+
+
+# The index ops along a sharded point dim (index_select, gather, index_add, scatter_*,
+# cdist) live beside the routed exchange they use; importing them registers their rules.
+from ..points import rules as _point_rules  # noqa: E402,F401

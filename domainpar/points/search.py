@@ -1,0 +1,204 @@
+"""Neighbour search across the blocks of sharded point sets: ``knn``,
+``radius_search`` and ``gather`` (neighbour features by global index).
+
+Query and reference points are (N, D) DomainTensors sharded on dim 0 over
+the same grid axis, any layout (after ``partition`` each rank's points are
+compact and the halos small; without it the answers are the same, only the
+halos larger). Each rank:
+
+1. bounds how far its queries must look (its *reach*): for ``radius_search``
+   the radius; for ``knn`` the distance to the k-th nearest of its own
+   reference points, capped by a bound from the other ranks' bounding boxes
+   and counts (the nearest boxes that together hold k points), so a rank with
+   few or no reference points still gets a finite reach;
+2. receives the point halo: from every other rank, the reference points
+   within its reach of its queries' bounding box (one allgather of boxes and
+   reaches, one routed exchange of coordinates and global indices);
+3. refines: the exact search over its own and the halo's points.
+
+Results equal one process's: distances are ``sqrt(sum((q - p)**2))`` over the
+coordinates, and neighbours are ordered by squared distance, ties broken by the
+smaller global index of the reference point. Indices are global (into ``ref``'s
+dim 0); distances are differentiable in both point sets (the gradient of a
+zero distance is zero, as ``torch.cdist``'s), through a ``Push`` of the halo's
+coordinates whose adjoint returns their gradients to the owners.
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from ..tensor.dispatch import UnsupportedOpError
+from ..tensor.domain_tensor import DomainTensor
+from .common import global_index, like_rows, offsets, point_comm, points_arg
+from .route import Route, fetch, push
+
+CHUNK = 1024   # queries per distance block (memory: CHUNK x candidates)
+_SLACK = 1e-9  # relative margin on the reach: a halo may only be too large
+
+
+def knn(query: DomainTensor, ref: DomainTensor, k: int):
+    """Collective. The ``k`` nearest points of ``ref`` to every point of ``query``:
+    ``(index, distance)``, two (Nq, k) DomainTensors laid out like ``query``
+    (global indices into ``ref``, int64; distances ascending, ties by index)."""
+    comm = _check(query, ref, "knn")
+    if isinstance(k, bool) or not isinstance(k, int) or not 0 < k <= ref.shape[0]:
+        raise ValueError(f"knn: k must be an int in 1..{ref.shape[0]} (the reference points), "
+                         f"got {k!r}")
+    q, r = query.to_local().detach(), ref.to_local().detach()
+    reach = _knn_reach(comm, q, r, ref, k)
+    return _search(comm, query, ref, reach, k, None)
+
+
+def radius_search(query: DomainTensor, ref: DomainTensor, r: float, max_neighbors: int):
+    """Collective. The points of ``ref`` within distance ``r`` (inclusive) of every
+    point of ``query``, nearest first (ties by index), at most ``max_neighbors``:
+    ``(index, distance)``, two (Nq, max_neighbors) DomainTensors laid out like
+    ``query``; missing neighbours are index -1 and distance inf."""
+    comm = _check(query, ref, "radius_search")
+    if isinstance(max_neighbors, bool) or not isinstance(max_neighbors, int) or max_neighbors < 1:
+        raise ValueError(f"radius_search: max_neighbors must be a positive int, "
+                         f"got {max_neighbors!r}")
+    r = float(r)
+    if not r >= 0:
+        raise ValueError(f"radius_search: r must be a non-negative number, got {r!r}")
+    reach = r * r if query.to_local().shape[0] else -1.0
+    return _search(comm, query, ref, reach, max_neighbors, r * r)
+
+
+def gather(features: DomainTensor, index: DomainTensor) -> DomainTensor:
+    """Collective. ``features[index]`` for global point indices ``index`` (an
+    (Nq, k) DomainTensor laid out over the same axis, e.g. from ``knn``);
+    entries of -1 (missing neighbours) give zeros. Shape (Nq, k, *features[1:]),
+    laid out like ``index``; differentiable in ``features`` (backward adds the
+    gradients to the owners)."""
+    if not isinstance(index, DomainTensor) or index.ndim != 2:
+        raise UnsupportedOpError("points.gather: index must be an (Nq, k) DomainTensor of global "
+                                 "point indices (from knn or radius_search)")
+    points_arg(features, "points.gather", ndim=features.ndim)
+    points_arg(index, "points.gather")
+    fdec, idec = features.decomposition, index.decomposition
+    if fdec.grid is not idec.grid or fdec.shard[0] != idec.shard[0]:
+        raise UnsupportedOpError("points.gather: features and index must be sharded over the same "
+                                 "grid axis")
+    idx = index.to_local()
+    valid = idx >= 0
+    rows = fetch(features.to_local(), point_comm(fdec, 0), offsets(fdec, 0), idx.clamp(min=0))
+    mask = valid.reshape(tuple(idx.shape) + (1,) * (features.ndim - 1)).to(rows.dtype)
+    shape = tuple(index.shape) + tuple(features.shape[1:])
+    return DomainTensor(rows * mask, like_rows(idec, 0, shape))
+
+
+# -- the steps --------------------------------------------------------------------------------
+def _check(query, ref, what: str):
+    points_arg(query, what)
+    points_arg(ref, what)
+    qd, rd = query.decomposition, ref.decomposition
+    if qd.grid is not rd.grid or qd.shard[0] != rd.shard[0]:
+        raise UnsupportedOpError(f"{what}: query and ref must be sharded over the same grid axis")
+    if query.shape[1] != ref.shape[1] or query.dtype != ref.dtype:
+        raise ValueError(f"{what}: query {tuple(query.shape)} {query.dtype} and ref "
+                         f"{tuple(ref.shape)} {ref.dtype} need the same dims and dtype")
+    return point_comm(rd, 0)
+
+
+def _box(x: torch.Tensor) -> np.ndarray:
+    """(2, D) float64 bounding box of ``x``'s rows (inf, -inf when empty)."""
+    if x.shape[0] == 0:
+        return np.stack([np.full(x.shape[1], np.inf), np.full(x.shape[1], -np.inf)])
+    a = x.to("cpu", torch.float64)
+    return np.stack([a.min(0).values.numpy(), a.max(0).values.numpy()])
+
+
+def _knn_reach(comm, q, r, ref, k: int) -> float:
+    """Collective. This rank's squared reach for k neighbours (-1 without queries)."""
+    boxes = comm.allgather((_box(r), r.shape[0]))
+    if q.shape[0] == 0:
+        return -1.0
+    qbox = _box(q)
+    far = []
+    for box, n in boxes:
+        if n:
+            span = np.maximum(np.abs(qbox[1] - box[0]), np.abs(box[1] - qbox[0]))
+            far.append((float((span ** 2).sum()), n))
+    far.sort()
+    bound, total = np.inf, 0
+    for d2, n in far:
+        total += n
+        if total >= k:
+            bound = d2
+            break
+    if r.shape[0] >= k:
+        local = max(float(_kth(q[i:i + CHUNK], r, k).max()) for i in range(0, q.shape[0], CHUNK))
+        bound = min(bound, local)
+    return bound * (1 + _SLACK)
+
+
+def _kth(q, r, k):
+    return torch.topk(_d2(q, r), k, dim=1, largest=False).values[:, -1]
+
+
+def _d2(q, c):
+    """Squared distances, one formula everywhere (selection and oracle agree)."""
+    return ((q[:, None, :] - c[None, :, :]) ** 2).sum(-1)
+
+
+def _halo(comm, q, r_block, reach: float):
+    """Collective. The route that sends this rank's reference points to the ranks
+    whose reach covers them (one allgather of boxes and reaches), and the local
+    rows it sends."""
+    stories = comm.allgather((_box(q), reach))
+    me = comm.Get_rank()
+    dest, items = [], []
+    pts = r_block.detach().to("cpu", torch.float64).numpy()
+    for s, (box, s_reach) in enumerate(stories):
+        if s == me or s_reach < 0 or len(pts) == 0:
+            continue
+        gap = np.maximum(np.maximum(box[0] - pts, pts - box[1]), 0)
+        near = np.nonzero((gap ** 2).sum(1) <= s_reach)[0]
+        items.append(torch.as_tensor(near, dtype=torch.int64))
+        dest.append(torch.full((len(near),), s, dtype=torch.int64))
+    items = torch.cat(items) if items else torch.zeros(0, dtype=torch.int64)
+    dest = torch.cat(dest) if dest else torch.zeros(0, dtype=torch.int64)
+    return Route(comm, dest, torch.zeros_like(dest)), items
+
+
+def _search(comm, query, ref, reach: float, k: int, r2):
+    """Collective. The halo, then the exact search over own and halo points."""
+    q, r_block, rdec = query.to_local().detach(), ref.to_local(), ref.decomposition
+    route, items = _halo(comm, q, r_block, reach)
+    cand = torch.cat([r_block, push(r_block[items.to(r_block.device)], route)])
+    gidx = torch.cat([global_index(rdec, 0), route.send(global_index(rdec, 0)[items])])
+    order = torch.argsort(gidx)
+    cand, gidx = cand[order.to(cand.device)], gidx[order].to(cand.device)
+    sel, valid = _nearest(q, cand.detach(), k, r2)
+    idx = torch.where(valid, gidx[sel] if len(gidx) else sel, torch.full_like(sel, -1))
+    rows = cand if cand.shape[0] else cand.new_zeros((1, cand.shape[1]))
+    chosen = rows[sel.reshape(-1)].reshape(tuple(sel.shape) + (cand.shape[1],))
+    d2 = ((query.to_local()[:, None, :] - chosen) ** 2).sum(-1)
+    pos = d2 > 0
+    dist = torch.where(pos, torch.where(pos, d2, torch.ones_like(d2)).sqrt(), torch.zeros_like(d2))
+    dist = torch.where(valid, dist, torch.full_like(dist, float("inf")))
+    layout = like_rows(query.decomposition, 0, (query.shape[0], k))
+    return DomainTensor(idx, layout), DomainTensor(dist, layout)
+
+
+def _nearest(q, cand, k: int, r2):
+    """Local. Per query: the positions of its ``k`` first candidates by squared
+    distance (candidates are in global-index order, so a stable sort breaks
+    ties by index), and which of them exist (within ``r2`` when given)."""
+    sels, oks = [], []
+    width = min(k, cand.shape[0])
+    for i in range(0, q.shape[0], CHUNK):
+        d2 = _d2(q[i:i + CHUNK], cand)
+        if r2 is not None:
+            d2 = torch.where(d2 <= r2, d2, torch.full_like(d2, float("inf")))
+        vals, pos = torch.sort(d2, dim=1, stable=True)
+        vals, pos = vals[:, :width], pos[:, :width]
+        pad = k - width
+        sels.append(torch.nn.functional.pad(pos, (0, pad)))
+        oks.append(torch.nn.functional.pad(torch.isfinite(vals), (0, pad)))
+    if not sels:
+        return (torch.zeros((0, k), dtype=torch.int64, device=q.device),
+                torch.zeros((0, k), dtype=torch.bool, device=q.device))
+    return torch.cat(sels), torch.cat(oks)
