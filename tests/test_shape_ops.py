@@ -222,13 +222,6 @@ def test_view_merge_with_inner_sharded_dim_repartitions():
                                   x.grid, {1: 0})
 
 
-def test_two_sharded_dims_in_one_group_refused():
-    x = sharded((4, 6, 3), {0: 0, 1: 1})
-    for fn in (lambda: x.reshape(24, 3), lambda: x.view(24, 3), lambda: x.flatten(),
-               lambda: x.reshape(6, 4, 3)):
-        raises_on_every_rank(dp.UnsupportedOpError, ["sharded", "(4, 6, 3)", "gathered"], fn)
-
-
 def test_regroup_that_would_gather_onto_one_rank_refused():
     # (2, 3) cut on dim 0 -> (3, 2): whole rows of 2 are the unit and there is only one
     x = sharded((2, 3), {0: 0})

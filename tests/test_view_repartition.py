@@ -172,14 +172,6 @@ def test_gather_onto_one_rank_still_refused():
         assert x.view(3, 2).shape == (3, 2)
 
 
-def test_two_cut_dims_merged_still_refused():
-    if SIZE < 4:
-        pytest.skip("needs 4 ranks (a 2x2 grid)")
-    grid = dp.ProcessGrid(MPI.Compute_dims(SIZE, 2))
-    x = shard_like(global_tensor((1, 8, 8, 3)), grid, {1: 0, 2: 1})
-    raises_on_every_rank(dp.UnsupportedOpError, "gathered", lambda: x.view(1, 64, 3))
-
-
 # -- layouts aligned to whole windows: the view needs no repartition -------------------------------
 def test_aligned_sizes():
     from domainpar.comm.decomposition import aligned_sizes

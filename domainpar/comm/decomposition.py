@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import bisect
 import itertools
+import math
 from typing import Mapping, Sequence
 
 from .errors import LayoutError, agree, signature_of
@@ -33,6 +34,32 @@ class Decomposition:
     """Collective (a consistency check; see ``check``). How a global array shape is
     cut over a ProcessGrid.
 
+    Parameters
+    ----------
+    global_shape : sequence of int
+        The shape of the whole array.
+    grid : ProcessGrid
+        The processes it is cut over.
+    shard : mapping, optional
+        ``{tensor_dim: grid_axis}``: the dims cut and the grid axes that cut
+        them (see Notes). No dim sharded by default.
+    sizes : mapping, optional
+        ``{dim: [n_0, n_1, ...]}``: a sharded dim's block sizes, one per
+        coordinate along its grid axis; uneven and zero sizes are allowed.
+    check : bool, default True
+        Agree on the arguments across the grid (a collective); False for
+        callers that derive the same arguments on every rank by construction.
+    align : mapping, optional
+        ``{dim: k}``: balance the dim's blocks in whole units of ``k`` rows.
+
+    Raises
+    ------
+    LayoutError
+        On every rank, when a shard map, sizes or shape do not fit the grid;
+        MismatchError when ranks pass different ones.
+
+    Notes
+    -----
     ``shard={tensor_dim: grid_axis}`` cuts a tensor dim along a grid axis; grid
     axes that no dim names replicate the data. Blocks are balanced by default
     (the first ``n % p`` coordinates get one more) or given per dim with
@@ -42,6 +69,13 @@ class Decomposition:
     3 processes: 12/12/8), so that a later ``view`` splitting the dim into
     (n // k, k), a window partition, needs no repartition. Negative dims count
     from the end.
+
+    ``shard={dim: (a, b)}`` cuts one dim over several grid axes: its blocks follow
+    the row-major order of the coordinates on ``(a, b)`` (``sizes`` then gives
+    one per process of those axes together). Axes of one process shard nothing.
+    The decomposition then lives on ``grid.merged((a, b))`` (``self.grid``), where
+    the dim is cut along one axis, so every rule written for one axis applies;
+    ``self.grid.root`` is the grid passed in.
     """
 
     def __init__(self, global_shape: Sequence[int], grid: ProcessGrid,
@@ -49,6 +83,7 @@ class Decomposition:
                  sizes: Mapping[int, Sequence[int]] | None = None, *, check: bool = True,
                  align: Mapping[int, int] | None = None):
         self.grid = grid
+        self._multi: tuple = ()  # (dim, grid axes) of a dim cut over several grid axes
         problem = None
         try:
             self.global_shape = tuple(int(n) for n in global_shape)
@@ -59,34 +94,67 @@ class Decomposition:
         except (LayoutError, TypeError, ValueError) as exc:
             problem = (f"Decomposition({global_shape!r}, shard={shard}, sizes={sizes}"
                        + (f", align={align}" if align else "") + f"): {exc}")
-            self.global_shape, self.shard, self._sizes = (), {}, {}
+            self.global_shape, self.shard, self._sizes, self._multi = (), {}, {}, ()
         if check:
             agree(grid.comm, problem,
-                  signature=signature_of(self.global_shape, self.shard, self._sizes),
+                  signature=signature_of(self.global_shape, self.shard, self._sizes, self._multi),
                   what="Decomposition global shapes, shard maps or sizes",
                   described=f"global_shape={self.global_shape} shard={self.shard} "
-                            f"sizes={self._sizes}")
+                            f"multi-axis={self._multi} sizes={self._sizes}")
         elif problem:
             raise LayoutError(problem)
+        if self._multi:  # collective on first use: after the agreement, on every rank
+            merged = grid.merged(self._multi[1])
+            self.shard = {d: merged.axis_from_parent[a] for d, a in self.shard.items()}
+            self.grid = merged
         self._offsets = {d: tuple(itertools.accumulate(s, initial=0)) for d, s in self._sizes.items()}
 
-    def _normalise_shard(self, shard: Mapping[int, int]) -> dict[int, int]:
+    def _normalise_shard(self, shard: Mapping[int, int | Sequence[int]]) -> dict[int, int]:
+        """``{dim: grid axis}``; a dim given a tuple of axes is recorded in
+        ``self._multi`` and mapped to the first of them until the grid is merged.
+        Axes of one process shard nothing, so ``(0, 1)`` on a 3x1 grid is ``0``."""
         ndim, gdim = len(self.global_shape), self.grid.ndim
         out: dict[int, int] = {}
-        for dim, axis in shard.items():
-            dim, axis = int(dim), int(axis)
+        used: set[int] = set()
+        for dim, axes in shard.items():
+            dim = int(dim)
             if not -ndim <= dim < ndim:
                 raise LayoutError(f"shard names tensor dim {dim}, but the tensor has {ndim} dims")
-            if not -gdim <= axis < gdim:
-                raise LayoutError(f"shard maps dim {dim} to grid axis {axis}, "
-                                  f"but the grid has {gdim} axes")
-            dim, axis = dim % ndim, axis % gdim
+            dim %= ndim
             if dim in out:
                 raise LayoutError(f"shard names tensor dim {dim} twice")
-            if axis in out.values():
-                raise LayoutError(f"shard maps two tensor dims to grid axis {axis}")
-            out[dim] = axis
+            axes = self._grid_axes(dim, axes, gdim)
+            if used & set(axes):
+                raise LayoutError(f"shard maps two tensor dims to grid axis "
+                                  f"{sorted(used & set(axes))[0]}")
+            used |= set(axes)
+            wide = tuple(a for a in axes if self.grid.dims[a] > 1)
+            if len(wide) > 1:
+                if self._multi:
+                    raise LayoutError(f"dims {self._multi[0]} and {dim} are both cut over "
+                                      f"several grid axes; only one dim may be")
+                self._multi = (dim, wide)
+            out[dim] = (wide or axes)[0]
         return dict(sorted(out.items()))
+
+    @staticmethod
+    def _grid_axes(dim: int, axes, gdim: int) -> tuple[int, ...]:
+        """``axes`` (one grid axis or a sequence of them) as non-negative axes."""
+        many = isinstance(axes, (tuple, list))
+        axes = tuple(axes) if many else (axes,)
+        if not axes:
+            raise LayoutError(f"shard maps dim {dim} to no grid axis")
+        out = []
+        for axis in axes:
+            if isinstance(axis, bool) or int(axis) != axis:
+                raise LayoutError(f"shard maps dim {dim} to {axis!r}, not a grid axis")
+            if not -gdim <= int(axis) < gdim:
+                raise LayoutError(f"shard maps dim {dim} to grid axis {axis}, "
+                                  f"but the grid has {gdim} axes")
+            out.append(int(axis) % gdim)
+        if len(set(out)) != len(out):
+            raise LayoutError(f"shard maps dim {dim} to grid axes {tuple(out)}, one twice")
+        return tuple(out)
 
     def _sharded_dim(self, dim, what: str) -> int:
         ndim = len(self.global_shape)
@@ -109,16 +177,23 @@ class Decomposition:
             units[dim] = int(k)
         out = {}
         for dim, axis in self.shard.items():
-            parts, n = self.grid.dims[axis], self.global_shape[dim]
+            parts, n = self._parts(dim, axis), self.global_shape[dim]
             s = given[dim] if dim in given else aligned_sizes(n, parts, units.get(dim, 1))
             if len(s) != parts:
-                raise LayoutError(f"sizes for dim {dim} have {len(s)} entries, but grid "
-                                  f"axis {axis} has {parts} processes")
+                axes = self._multi[1] if self._multi and self._multi[0] == dim else None
+                where = f"grid axes {axes} have" if axes else f"grid axis {axis} has"
+                raise LayoutError(f"sizes for dim {dim} have {len(s)} entries, but {where} "
+                                  f"{parts} processes")
             if any(b < 0 for b in s) or sum(s) != n:
                 raise LayoutError(f"sizes {list(s)} for dim {dim} must be >= 0 and sum "
                                   f"to its global size {n}")
             out[dim] = s
         return out
+
+    def _parts(self, dim: int, axis: int) -> int:
+        """How many blocks ``dim`` is cut into (the product over a multi-axis dim's axes)."""
+        axes = self._multi[1] if self._multi and self._multi[0] == dim else (axis,)
+        return math.prod(self.grid.dims[a] for a in axes)
 
     # -- queries (local) -----------------------------------------------------------
     @property
@@ -132,7 +207,18 @@ class Decomposition:
         return dim % self.ndim
 
     def axis_of(self, dim: int) -> int | None:
-        """The grid axis that cuts ``dim``, or None when ``dim`` is not sharded."""
+        """Local. The grid axis that cuts ``dim``.
+
+        Parameters
+        ----------
+        dim : int
+            A tensor dim (negative counts from the end).
+
+        Returns
+        -------
+        int or None
+            The grid axis, or None when ``dim`` is not sharded.
+        """
         return self.shard.get(self._dim(dim))
 
     @property
@@ -141,13 +227,35 @@ class Decomposition:
         return tuple(a for a in range(self.grid.ndim) if a not in self.shard.values())
 
     def block_sizes(self, dim: int) -> tuple[int, ...]:
-        """Block sizes along ``dim``, one per coordinate of its grid axis
-        (one entry, the global size, for a dim that is not sharded)."""
+        """Local. Block sizes along ``dim``.
+
+        Parameters
+        ----------
+        dim : int
+            A tensor dim (negative counts from the end).
+
+        Returns
+        -------
+        tuple of int
+            One size per coordinate of its grid axis (one entry, the global
+            size, for a dim that is not sharded).
+        """
         dim = self._dim(dim)
         return self._sizes.get(dim, (self.global_shape[dim],))
 
     def block_offsets(self, dim: int) -> tuple[int, ...]:
-        """Block start offsets along ``dim``, plus the global size as a last entry."""
+        """Local. Block start offsets along ``dim``.
+
+        Parameters
+        ----------
+        dim : int
+            A tensor dim (negative counts from the end).
+
+        Returns
+        -------
+        tuple of int
+            One offset per block, plus the global size as a last entry.
+        """
         dim = self._dim(dim)
         return self._offsets.get(dim, (0, self.global_shape[dim]))
 
@@ -155,19 +263,52 @@ class Decomposition:
         return self.grid.coords if rank is None else self.grid.coords_of(rank)
 
     def local_shape(self, rank: int | None = None) -> tuple[int, ...]:
-        """The block shape of ``rank`` (default: this rank)."""
+        """Local. The block shape of ``rank``.
+
+        Parameters
+        ----------
+        rank : int, optional
+            A rank of the grid; this rank by default.
+
+        Returns
+        -------
+        tuple of int
+            The block's shape.
+        """
         coords = self._coords(rank)
         return tuple(self._sizes[d][coords[self.shard[d]]] if d in self.shard else n
                      for d, n in enumerate(self.global_shape))
 
     def offsets(self, rank: int | None = None) -> tuple[int, ...]:
-        """The global index of the first element of ``rank``'s block."""
+        """Local. Where ``rank``'s block starts.
+
+        Parameters
+        ----------
+        rank : int, optional
+            A rank of the grid; this rank by default.
+
+        Returns
+        -------
+        tuple of int
+            The global index of the block's first element.
+        """
         coords = self._coords(rank)
         return tuple(self._offsets[d][coords[self.shard[d]]] if d in self.shard else 0
                      for d in range(self.ndim))
 
     def local_slices(self, rank: int | None = None) -> tuple[slice, ...]:
-        """Slices of the global array that ``rank``'s block holds."""
+        """Local. The part of the global array that ``rank``'s block holds.
+
+        Parameters
+        ----------
+        rank : int, optional
+            A rank of the grid; this rank by default.
+
+        Returns
+        -------
+        tuple of slice
+            One slice per dim.
+        """
         return tuple(slice(o, o + n) for o, n in zip(self.offsets(rank), self.local_shape(rank)))
 
     def owner_coord(self, dim: int, index: int) -> int:
@@ -183,8 +324,21 @@ class Decomposition:
         return bisect.bisect_right(self._offsets[dim], index, hi=len(self._sizes[dim])) - 1
 
     def owner(self, index: Sequence[int], rank: int | None = None) -> int:
-        """The rank whose block holds global ``index`` among the ranks that share
-        ``rank``'s coordinates on the replicated grid axes (default: this rank)."""
+        """Local. The rank whose block holds a global index.
+
+        Parameters
+        ----------
+        index : sequence of int
+            A global index, one entry per dim.
+        rank : int, optional
+            The owner is sought among the ranks that share this rank's
+            coordinates on the replicated grid axes; this rank by default.
+
+        Returns
+        -------
+        int
+            The owner's rank.
+        """
         if len(index) != self.ndim:
             raise LayoutError(f"index {tuple(index)} needs {self.ndim} entries")
         coords = list(self._coords(rank))

@@ -29,7 +29,7 @@ from ..tensor.params import enter_domain
 def output_layout(func: Any, operands: Sequence[Any]) -> tuple[Decomposition, tuple[int, ...]]:
     """The output decomposition and global shape of a broadcasting op."""
     dts = [a for a in operands if isinstance(a, DomainTensor)]
-    same_grid(func, dts)
+    same_grid(func, dts, merged_ok=True)  # ``onto`` repartitions across merged grids
     shapes = [tuple(a.shape) for a in operands if isinstance(a, torch.Tensor)]
     out_shape = tuple(torch.broadcast_shapes(*shapes))
     lead = max(dts, key=lambda t: t.ndim)  # max keeps the first of equal ndim
@@ -53,7 +53,7 @@ def onto(a: Any, out_dec: Decomposition) -> Any:
     """Operand ``a`` as this rank's local tensor for an output laid out by ``out_dec``."""
     if isinstance(a, DomainTensor):
         dims = aligned_dims(a, out_dec)
-        target = layout.derive(a._dec, a._dec.global_shape,
+        target = layout.derive(out_dec, a._dec.global_shape,  # on out_dec's grid
                                {ad: out_dec.shard[od] for ad, od in dims.items()},
                                {ad: out_dec.block_sizes(od) for ad, od in dims.items()})
         local = ag.repartition(a._local, a._dec, target)

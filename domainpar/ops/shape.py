@@ -263,10 +263,12 @@ class _Plan:
     def __init__(self):
         self.src_shard, self.src_sizes, self.out_shard, self.out_sizes = {}, {}, {}, {}
         self.moves: list[str] = []  # why the blocks must be repartitioned, if they must
+        # New dims that take the merged grid's axes back on its parent grid (a dim cut
+        # over several axes split into as many dims or more), or None.
+        self.split: list[int] | None = None
 
 
-def _plan(func, x: DomainTensor, new_shape: tuple[int, ...]) -> _Plan:
-    dec = x._dec
+def _plan(func, x: DomainTensor, dec: Decomposition, new_shape: tuple[int, ...]) -> _Plan:
     old = dec.global_shape
     plan = _Plan()
     src_shard, src_sizes = plan.src_shard, plan.src_sizes
@@ -278,6 +280,17 @@ def _plan(func, x: DomainTensor, new_shape: tuple[int, ...]) -> _Plan:
         o_nz = [d for d in o if old[d] != 1]
         n_nz = [d for d in n if new_shape[d] != 1]
         wide = [d for d in sharded if old[d] != 1]
+        # Dims on grid axes of one process are whole: they stay as they are in the
+        # source and are not carried to the output (unless no other dim is cut).
+        whole = [d for d in wide if not layout.cut(dec, d)]
+        if whole and len(whole) < len(wide):
+            for d in whole:
+                src_shard[d], src_sizes[d] = dec.shard[d], dec.block_sizes(d)
+            wide = [d for d in wide if d not in whole]
+        elif whole:
+            for d in whole[1:]:
+                src_shard[d], src_sizes[d] = dec.shard[d], dec.block_sizes(d)
+            wide = whole[:1]
         if not wide:
             # Only sharded size-1 dims: one alone in an all-size-1 group moves to
             # the first new dim; any other is made unsharded (src leaves it out).
@@ -296,7 +309,7 @@ def _plan(func, x: DomainTensor, new_shape: tuple[int, ...]) -> _Plan:
                 f"to be gathered whole along its grid axis. Repartition first "
                 f"(x.redistribute(...)) so that at most one dim of the group is sharded"))
         d = wide[0]
-        if len(sharded) > 1:
+        if len([k for k in sharded if k not in src_shard]) > 1:
             plan.moves.append(f"sharded dims {[k for k in sharded if k != d]} of global size 1 "
                               f"must be made unsharded to merge old dims {o} into new dims {n}")
         axis, o0, n0 = dec.shard[d], o_nz[0], n_nz[0]
@@ -323,6 +336,10 @@ def _plan(func, x: DomainTensor, new_shape: tuple[int, ...]) -> _Plan:
                 + f": the blocks must be repartitioned to {list(target)} rows of dim {o0}")
         out_shard[n0] = axis
         out_sizes[n0] = tuple(s * inner // inner_new for s in sizes)
+        grid = dec.grid
+        if grid.parent is not None and axis == grid.axis_from_parent[grid.merged_axes[0]] \
+                and len(n_nz) >= len(grid.merged_axes):
+            plan.split = n_nz[:len(grid.merged_axes)]
     return plan
 
 
@@ -334,19 +351,58 @@ def _reshape_to(func, x: DomainTensor, new_shape: tuple[int, ...], *, view: bool
         out = layout.derive(dec, new_shape, {}, {})
         local = _local_view(x._local, new_shape) if view else x._local.reshape(new_shape)
         return DomainTensor(local, out)
-    plan = _plan(func, x, new_shape)
-    src = layout.derive(dec, dec.global_shape, plan.src_shard, plan.src_sizes)
+    moves: list[str] = []
+    pre = _merge_groups(func, x, new_shape, moves)
+    plan = _plan(func, x, pre, new_shape)
+    moves += plan.moves
+    src = layout.derive(pre, dec.global_shape, plan.src_shard, plan.src_sizes)
     local = x._local
     if src != dec:
         local = ag.repartition(local, dec, src)
-    out = layout.derive(dec, new_shape, plan.out_shard, plan.out_sizes)
-    result = DomainTensor(_local_view(local, out.local_shape()) if view
-                          else local.reshape(out.local_shape()), out)
-    if view and src != dec:
+    out = layout.derive(src, new_shape, plan.out_shard, plan.out_sizes)
+    local = _local_view(local, out.local_shape()) if view else local.reshape(out.local_shape())
+    if plan.split is not None and pre is dec:  # back onto the parent grid, a dim per axis
+        back = layout.unmerged(out, new_shape, plan.split)
+        moves.append(f"new dims {plan.split} take the grid axes {out.grid.merged_axes} that "
+                     f"dim {plan.split[0]} was cut over")
+        local, out = ag.repartition(local, out, back), back
+    result = DomainTensor(local, out)
+    if view and moves:
         aliasing.mark_copied(x, result, (
             f"{op_name(func)} of global shape {tuple(dec.global_shape)} as {tuple(new_shape)} "
-            f"repartitioned its blocks first: " + "; ".join(plan.moves)))
+            f"repartitioned its blocks: " + "; ".join(moves)))
     return result
+
+
+def _merge_groups(func, x: DomainTensor, new_shape, moves: list[str]) -> Decomposition:
+    """``x``'s layout, or where a group merges several cut dims (a patch grid
+    flattened into tokens) the layout on the grid that merges their axes, with
+    the group's outermost dim cut over all of them in whole units of rows (so
+    that the group's blocks reshape locally)."""
+    dec = x._dec
+    old = dec.global_shape
+    for o, n in _groups(old, new_shape):
+        wide = [d for d in o if old[d] != 1 and layout.cut(dec, d)]
+        if len(wide) < 2:
+            continue
+        o_nz = [d for d in o if old[d] != 1]
+        n_nz = [d for d in n if new_shape[d] != 1]
+        inner = math.prod(old[k] for k in o_nz[1:])
+        inner_new = math.prod(new_shape[k] for k in n_nz[1:])
+        unit = inner_new // math.gcd(inner, inner_new)
+        parts = math.prod(dec.grid.dims[dec.shard[d]] for d in wide)
+        target = tuple(b * unit for b in balanced_sizes(old[o_nz[0]] // unit, parts))
+        if _nonempty(target) < 2:
+            raise _refuse(func, x, (
+                f"old dims {o} of shape {tuple(old[k] for k in o)} (cut dims {wide}) become new "
+                f"dims {n} of shape {tuple(new_shape[k] for k in n)}; cut over their "
+                f"{parts} ranks together, the blocks would have to be whole multiples of "
+                f"{unit} rows of dim {o_nz[0]}, and its {old[o_nz[0]]} rows give only one such "
+                f"block, which would gather the group onto one rank"))
+        moves.append(f"cut dims {wide} merge into new dims {n}: dim {o_nz[0]} is cut over "
+                     f"their grid axes together, {list(target)} rows")
+        dec = layout.merged(dec, wide, o_nz[0], target)
+    return dec
 
 
 def _local_view(local: torch.Tensor, shape) -> torch.Tensor:

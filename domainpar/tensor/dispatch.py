@@ -84,11 +84,20 @@ def rules() -> dict[Any, Callable]:
 
 @contextlib.contextmanager
 def allow_gather() -> Iterator[None]:
-    """Inside this block, a torch op with no domain-parallel rule gathers its
-    DomainTensor arguments (allgatherv: every rank then holds the whole tensor),
-    runs on the whole tensors and re-shards a result shaped like its first
-    DomainTensor argument; other results come back replicated. Opt-in only:
-    outside it, such an op raises UnsupportedOpError."""
+    """Local (entering and leaving; the gathers inside are collective). A context
+    in which ops without a domain-parallel rule gather instead of raising.
+
+    Inside the block, a torch op with no rule gathers its DomainTensor arguments
+    (allgatherv: every rank then holds the whole tensor), runs on the whole
+    tensors and re-shards a result shaped like its first DomainTensor argument;
+    other results come back replicated. Opt-in only: outside it, such an op
+    raises UnsupportedOpError.
+
+    Yields
+    ------
+    None
+        Use as ``with dp.allow_gather(): ...`` on every rank alike.
+    """
     token = _GATHER_ALLOWED.set(True)
     try:
         yield
@@ -117,20 +126,27 @@ def domain_tensors(args, kwargs=None) -> list:
     return [a for a in leaves if isinstance(a, DomainTensor)]
 
 
-def same_grid(func: Any, tensors: list) -> None:
-    """Refuse DomainTensors on different grids in one op."""
+def same_grid(func: Any, tensors: list, *, merged_ok: bool = False) -> None:
+    """Refuse DomainTensors on different grids in one op. With ``merged_ok`` grids
+    of the same processes (one merged from the other's root: a dim cut over
+    several axes) pass; the rule repartitions them onto one layout."""
     grid = tensors[0]._dec.grid
     for t in tensors[1:]:
-        if t._dec.grid is not grid:
-            raise UnsupportedOpError(
-                f"{op_name(func)}: DomainTensors on different process grids ({_grid_text(grid)} "
-                f"and {_grid_text(t._dec.grid)}) cannot be mixed; repartition one onto the "
-                f"other's grid")
+        if t._dec.grid is grid or (merged_ok and t._dec.grid.root is grid.root):
+            continue
+        hint = ("x.redistribute(shard=...) (axes of the grid you made) to bring one onto the "
+                "other's layout" if t._dec.grid.root is grid.root
+                else "repartition one onto the other's grid")
+        raise UnsupportedOpError(
+            f"{op_name(func)}: DomainTensors on different process grids ({_grid_text(grid)} "
+            f"and {_grid_text(t._dec.grid)}) cannot be mixed; {hint}")
 
 
 def _grid_text(grid) -> str:
     """A grid as every rank describes it alike (its repr names this rank)."""
-    return f"dims {grid.dims}, periodic {grid.periodic}"
+    merged = f", grid axes {grid.merged_axes} of dims {grid.parent.dims} merged" \
+        if getattr(grid, "parent", None) is not None else ""
+    return f"dims {grid.dims}, periodic {grid.periodic}{merged}"
 
 
 def unsupported(func: Any, args, kwargs, why: str | None = None) -> UnsupportedOpError:

@@ -20,12 +20,16 @@ from . import dispatch, layout
 
 
 class DomainTensor(torch.Tensor):
-    """A global tensor cut into blocks over a ProcessGrid (see ``from_local``,
-    ``domainpar.scatter``); the oracle for every op on it is plain PyTorch on the
-    global tensor in one process.
+    """Local (the constructor; see ``from_local`` and ``domainpar.scatter`` for
+    the collective ones). A global tensor cut into blocks over a ProcessGrid; the
+    oracle for every op on it is plain PyTorch on the global tensor in one process.
 
-    Internal constructor: ``DomainTensor(local, decomposition)`` wraps a block
-    whose shape is the decomposition's local shape, without communicating.
+    Parameters
+    ----------
+    local : torch.Tensor
+        This rank's block, of the decomposition's local shape.
+    decomposition : Decomposition
+        The layout: global shape, grid, sharded dims and block sizes.
     """
 
     _local: torch.Tensor
@@ -62,11 +66,30 @@ class DomainTensor(torch.Tensor):
         """Collective. Wrap the block each rank already holds; no data moves and
         gradients flow to ``block``.
 
-        Without ``sizes`` the block sizes along the sharded dims are learned by
-        one allgather of the block shapes, which also compares every rank's shard
-        map, grid, dtype, number of dims and non-sharded sizes: any that differ
-        raise the same MismatchError on every rank (with ``sizes``, the
-        Decomposition check compares them).
+        Parameters
+        ----------
+        block : torch.Tensor
+            This rank's block (a plain tensor).
+        grid : ProcessGrid
+            The processes the global tensor is cut over.
+        shard : mapping
+            ``{tensor_dim: grid_axis}``.
+        sizes : mapping, optional
+            ``{dim: [n_0, n_1, ...]}``, the block sizes along each sharded dim.
+            Without it they are learned by one allgather of the block shapes,
+            which also compares every rank's shard map, grid, dtype, number of
+            dims and non-sharded sizes (with ``sizes``, the Decomposition check
+            compares them).
+
+        Returns
+        -------
+        DomainTensor
+            The global tensor; its shape is the global shape.
+
+        Raises
+        ------
+        MismatchError
+            On every rank, when the ranks' blocks or arguments disagree.
         """
         problem = None
         if isinstance(block, DomainTensor) or not isinstance(block, torch.Tensor):
@@ -112,12 +135,24 @@ class DomainTensor(torch.Tensor):
         return self._dec.grid
 
     def to_local(self) -> torch.Tensor:
-        """Local. This rank's block (differentiable: it is the block itself)."""
+        """Local. This rank's block.
+
+        Returns
+        -------
+        torch.Tensor
+            The block itself (differentiable).
+        """
         return self._local
 
     def full_tensor(self) -> torch.Tensor:
-        """Collective. The whole tensor, replicated on every rank (an allgatherv;
-        differentiable: backward keeps each rank's block of the gradient)."""
+        """Collective. The whole tensor, replicated on every rank (an allgatherv).
+
+        Returns
+        -------
+        torch.Tensor
+            The global tensor on every rank; differentiable (backward keeps each
+            rank's block of the gradient).
+        """
         if not self._dec.shard:
             return self._local
         return ag.allgather(self._local, self._dec)
@@ -125,8 +160,10 @@ class DomainTensor(torch.Tensor):
     def redistribute(self, shard: Mapping[int, int],
                      sizes: Mapping[int, Sequence[int]] | None = None) -> "DomainTensor":
         """Collective. The same global tensor laid out by ``shard`` and ``sizes`` on
-        the same grid (an alltoallv; differentiable)."""
-        dst = Decomposition(self._dec.global_shape, self._dec.grid, shard, sizes)
+        the same grid (an alltoallv; differentiable). Grid axes are those of the
+        grid the user made (``grid.root``), also when an op left the tensor on a
+        merged grid; ``shard={2: (0, 1)}`` cuts dim 2 over axes 0 and 1."""
+        dst = Decomposition(self._dec.global_shape, self._dec.grid.root, shard, sizes)
         return DomainTensor(ag.repartition(self._local, self._dec, dst), dst)
 
     def __repr__(self, *, tensor_contents=None) -> str:  # noqa: D105
@@ -141,6 +178,9 @@ def _normalised_shard(shard, shape, grid: ProcessGrid):
     if shape is None:
         return None
     try:
+        if any(isinstance(a, (tuple, list)) for a in dict(shard).values()):
+            return (f"bad shard {shard!r}: from_local takes one grid axis per dim; cut a dim "
+                    f"over several axes with scatter or redistribute(shard={{dim: (a, b)}})")
         return Decomposition(shape, grid, shard, check=False).shard
     except (LayoutError, TypeError, ValueError, AttributeError) as exc:
         return f"bad shard {shard!r}: {exc}"
@@ -192,14 +232,31 @@ def _sizes_from_stories(stories, grid: ProcessGrid):
 def scatter(t: torch.Tensor | None, grid: ProcessGrid, shard: Mapping[int, int], src: int = 0,
             requires_grad: bool = False, align: Mapping[int, int] | None = None
             ) -> DomainTensor:
-    """Collective. ``t`` (needed on ``src`` only) cut into blocks over ``grid``:
-    balanced, or with ``align={dim: k}`` balanced in whole units of ``k`` rows
-    (see Decomposition), so that Swin's window partition ``x.view(..., D // k,
-    k, ...)`` is a view of each block rather than a repartition.
+    """Collective. A whole tensor held by one rank, cut into balanced blocks over
+    ``grid``.
 
-    With ``requires_grad`` the result is a leaf whose ``.grad`` collects the
-    blocks' gradients. When ``t`` itself requires grad on ``src``, the result
-    stays connected to it instead and ``t.grad`` gets the gathered gradient.
+    Parameters
+    ----------
+    t : torch.Tensor or None
+        The whole tensor, needed on ``src`` only. When it requires grad there,
+        the result stays connected to it and ``t.grad`` gets the gathered gradient.
+    grid : ProcessGrid
+        The processes to cut it over.
+    shard : mapping
+        ``{tensor_dim: grid_axis}``.
+    src : int, default 0
+        The rank that holds ``t``.
+    requires_grad : bool, default False
+        Make the result a leaf whose ``.grad`` collects the blocks' gradients.
+    align : mapping, optional
+        ``{dim: k}``: balance in whole units of ``k`` rows (see Decomposition),
+        so that Swin's window partition ``x.view(..., D // k, k, ...)`` is a view
+        of each block rather than a repartition.
+
+    Returns
+    -------
+    DomainTensor
+        The blocks, one per rank.
     """
     problem = None
     if isinstance(src, bool) or not isinstance(src, int) or not 0 <= src < grid.size:
@@ -226,11 +283,12 @@ def scatter(t: torch.Tensor | None, grid: ProcessGrid, shard: Mapping[int, int],
         device = torch.device(device_type, torch.cuda.current_device()) \
             if device_type == "cuda" else torch.device(device_type)
         source = torch.empty(0, dtype=dtype, device=device, requires_grad=src_requires)
+    root = grid.ranks_in(dec.grid)[src]  # src in the numbering of dec's (maybe merged) grid
     if src_requires:
-        local = ag.scatter(source, dec, src)
+        local = ag.scatter(source, dec, root)
     else:
         with torch.no_grad():
-            local = ag.scatter(source, dec, src)
+            local = ag.scatter(source, dec, root)
         if requires_grad:
             local.requires_grad_(True)
     return DomainTensor(local, dec)

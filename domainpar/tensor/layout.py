@@ -10,10 +10,47 @@ from ..comm.errors import LayoutError
 
 
 def derive(like: Decomposition, global_shape: Sequence[int], shard: Mapping[int, int],
-           sizes: Mapping[int, Sequence[int]] | None = None) -> Decomposition:
-    """A decomposition on ``like``'s grid; balanced blocks where ``sizes`` is silent."""
-    return Decomposition(tuple(global_shape), like.grid, dict(shard), dict(sizes or {}),
-                         check=False)
+           sizes: Mapping[int, Sequence[int]] | None = None, grid=None) -> Decomposition:
+    """A decomposition on ``like``'s grid (or ``grid``, one of the same processes:
+    a merged grid or its parent); balanced blocks where ``sizes`` is silent."""
+    return Decomposition(tuple(global_shape), like.grid if grid is None else grid, dict(shard),
+                         dict(sizes or {}), check=False)
+
+
+def cut(dec: Decomposition, dim: int) -> bool:
+    """Whether ``dim`` is cut into more than one block: sharded on a grid axis of
+    more than one process (an axis of one process shards nothing)."""
+    return dim in dec.shard and dec.grid.dims[dec.shard[dim]] > 1
+
+
+def merged(dec: Decomposition, dims: Sequence[int], onto: int,
+           sizes: Sequence[int] | None = None) -> Decomposition:
+    """Collective on first use of the merged grid. ``dec`` moved onto the grid in
+    which the axes of ``dims`` (sharded, in this order) are one: ``onto`` is cut
+    over all of them (``sizes``, or balanced), the other dims of ``dims`` are whole,
+    and every other dim keeps its axis and blocks."""
+    axes = tuple(dec.shard[d] for d in dims)
+    grid = dec.grid.merged(axes)
+    to = grid.axis_from_parent
+    shard = {d: to[a] for d, a in dec.shard.items() if d not in dims}
+    kept = {d: dec.block_sizes(d) for d in shard}
+    shard[onto] = to[axes[0]]
+    if sizes is not None:
+        kept[onto] = tuple(sizes)
+    return derive(dec, dec.global_shape, shard, kept, grid=grid)
+
+
+def unmerged(dec: Decomposition, global_shape: Sequence[int], dims: Sequence[int]) -> Decomposition:
+    """The layout on the parent of ``dec``'s merged grid in which ``dims`` take the
+    merged axes in order (balanced) and every dim on another axis keeps its axis
+    and blocks: the way back from ``merged``."""
+    grid = dec.grid
+    parent, axes = grid.parent, grid.merged_axes
+    back = {v: a for a, v in grid.axis_from_parent.items() if a not in axes}
+    shard = {d: back[a] for d, a in dec.shard.items() if a in back}
+    sizes = {d: dec.block_sizes(d) for d in shard}
+    shard.update(zip(dims, axes))
+    return derive(dec, global_shape, shard, sizes, grid=parent)
 
 
 def sharded_sizes(dec: Decomposition) -> dict[int, tuple[int, ...]]:
@@ -49,5 +86,10 @@ def comm_of(dec: Decomposition, dims: Sequence[int]):
 def sharded_dims_text(dec: Decomposition) -> str:
     if not dec.shard:
         return "no sharded dims"
-    return ", ".join(f"dim {d} (size {dec.global_shape[d]}) over grid axis {a}"
+    return ", ".join(f"dim {d} (size {dec.global_shape[d]}) over {_axes_text(dec.grid, a)}"
                      for d, a in dec.shard.items())
+
+
+def _axes_text(grid, axis: int) -> str:
+    """``grid axis a``; for a merged grid, the axes of the grid the user made."""
+    return grid.axes_text(axis) if hasattr(grid, "axes_text") else f"grid axis {axis}"
