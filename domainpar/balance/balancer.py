@@ -34,13 +34,28 @@ class Balancer:
 
     Call ``step()`` on every rank once per training step (after the optimizer
     step, say), and pass each step's data through ``layout(x)`` before the
-    model. ``threshold``: the least predicted saving of step time that moves
-    the layout (0.05: 5%). ``smoothing``: the weight of a new measurement in
-    the moving average (1: only the newest counts). ``every``: consider moving
-    every this many steps. ``warmup``: steps not measured at the start and
-    after each move (first-call costs: kernel selection, halo plans).
-    ``min_size``: fewest rows a block keeps, so every rank goes on measuring.
-    ``unit``: ``{dim: k}``, blocks in whole ``k`` rows (``Decomposition``'s align).
+    model.
+
+    Parameters
+    ----------
+    decomposition : Decomposition
+        The data's reference layout.
+    dims : sequence of int, optional
+        The sharded dims to balance; all of them by default.
+    threshold : float, default 0.05
+        The least predicted saving of step time that moves the layout (5%).
+    smoothing : float, default 0.5
+        The weight of a new measurement in the moving average (1: only the
+        newest counts).
+    every : int, default 1
+        Consider moving every this many steps.
+    warmup : int, default 1
+        Steps not measured at the start and after each move (first-call
+        costs: kernel selection, halo plans).
+    min_size : int, default 1
+        Fewest rows a block keeps, so every rank goes on measuring.
+    unit : mapping, optional
+        ``{dim: k}``: blocks in whole ``k`` rows (``Decomposition``'s align).
     """
 
     def __init__(self, decomposition: Decomposition, *, dims: Sequence[int] | None = None,
@@ -71,17 +86,41 @@ class Balancer:
     def decomposition_for(self, global_shape: Sequence[int],
                           shard: Mapping[int, int] | None = None) -> Decomposition:
         """Collective (a consistency check). The current layout for another
-        tensor of the data stream (a target with other channels): ``shard``
-        (default: the reference's) with the current sizes along the balanced
-        dims, which must have the reference's lengths and grid axes."""
+        tensor of the data stream (a target with other channels).
+
+        Parameters
+        ----------
+        global_shape : sequence of int
+            The tensor's shape; its balanced dims must have the reference's
+            lengths.
+        shard : mapping, optional
+            Its shard map (default: the reference's), with the reference's grid
+            axes on the balanced dims.
+
+        Returns
+        -------
+        Decomposition
+            ``shard`` with the current sizes along the balanced dims.
+        """
         shard = dict(self.decomposition.shard if shard is None else shard)
         shard = {d % len(global_shape): a for d, a in shard.items()}
         return Decomposition(global_shape, self.grid, shard, self._sizes_for(global_shape, shard))
 
     def layout(self, x: DomainTensor) -> DomainTensor:
         """Collective when it moves data. ``x`` laid out with the current sizes
-        along the balanced dims (``x`` itself when it already is; otherwise an
-        alltoallv, differentiable). Its other sharded dims keep their sizes."""
+        along the balanced dims; its other sharded dims keep their sizes.
+
+        Parameters
+        ----------
+        x : DomainTensor
+            A tensor of the data stream, on the balancer's grid.
+
+        Returns
+        -------
+        DomainTensor
+            ``x`` itself when it is laid out so already; otherwise its
+            redistribution (an alltoallv, differentiable).
+        """
         if not isinstance(x, DomainTensor):
             raise LayoutError(f"Balancer.layout takes a DomainTensor, got {type(x).__name__}")
         dec = x.decomposition
@@ -119,9 +158,19 @@ class Balancer:
         """Collective (one allreduce over the grid, and a layout check when it
         moves). End the span begun by the last ``step()``: measure every rank,
         agree, and choose new sizes when the predicted saving exceeds the
-        threshold. ``compute_seconds``: this rank's compute time in the span,
-        in place of the measured one (a user's own timer; tests inject figures).
-        Returns True when the layout moved: pass the next data through ``layout``."""
+        threshold.
+
+        Parameters
+        ----------
+        compute_seconds : float, optional
+            This rank's compute time in the span, in place of the measured one
+            (a user's own timer; tests inject figures).
+
+        Returns
+        -------
+        bool
+            True when the layout moved: pass the next data through ``layout``.
+        """
         wall = time.perf_counter() - self._t0
         seconds = wall - (clock.blocked_seconds() - self._b0) if compute_seconds is None \
             else compute_seconds

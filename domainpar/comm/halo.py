@@ -81,16 +81,22 @@ def _wrapped_segments(g0: int, g1: int, n: int, periodic: bool):
 
 class HaloExchange:
     """Collective (construction checks that every rank passed the same widths).
-    Ghost-cell exchange for arrays laid out as ``decomposition``'s block plus
-    ``width`` ghosts per side: ``width={dim: w}`` or ``{dim: (lo, hi)}``.
-
+    Ghost-cell exchange for arrays laid out as a block plus ghosts per side;
     ``fill`` and ``accumulate`` are neighbour-wise collective over the grid.
 
-    ``periodic={dim: bool}`` overrides, per dim, whether ghosts wrap around the
-    domain; by default a dim wraps when its grid axis is periodic. An op with
-    zero padding on a periodic grid passes False; circular padding passes True
-    on any grid. ``check=False`` skips the construction-time agreement, for
-    callers that derive the same arguments on every rank by construction.
+    Parameters
+    ----------
+    decomposition : Decomposition
+        The blocks.
+    width : mapping
+        Ghosts per side, ``{dim: w}`` or ``{dim: (lo, hi)}``.
+    periodic : mapping, optional
+        ``{dim: bool}``: whether ghosts wrap around the domain, overriding the
+        grid axis's periodicity (zero padding on a periodic grid passes False;
+        circular padding passes True on any grid).
+    check : bool, default True
+        Agree on the arguments across the grid; False for callers that derive
+        the same arguments on every rank by construction.
     """
 
     def __init__(self, decomposition: Decomposition, width: Mapping[int, int | tuple[int, int]],
@@ -227,13 +233,23 @@ class HaloExchange:
     @blocking
     def fill(self, a, *, check: bool = True):
         """Neighbour-wise collective. Copy owners' values into the ghost cells of
-        ``a`` (numpy, CuPy or torch; modified in place and returned). Periodic
-        axes wrap; ghosts outside a non-periodic domain are left as they are.
+        ``a``. Periodic axes wrap; ghosts outside a non-periodic domain are left
+        as they are.
 
-        Every rank first agrees that all arrays are well shaped and of one dtype
-        (one 3-integer allreduce), so bad input raises on every rank alike.
-        ``check=False`` skips that, for callers that built ``a`` from this
-        exchange's layout themselves; a bad array then raises on its rank only.
+        Parameters
+        ----------
+        a : numpy.ndarray, cupy.ndarray or torch.Tensor
+            The padded block (``padded_shape``), modified in place.
+        check : bool, default True
+            First agree that every rank's array is well shaped and of one dtype
+            (one 3-integer allreduce), so bad input raises on every rank alike;
+            False for callers that built ``a`` from this exchange's layout (a
+            bad array then raises on its rank only).
+
+        Returns
+        -------
+        same type as a
+            ``a`` itself.
         """
         arr = self._check(a, "fill", check)
         self._plan_for(arr).execute(arr, adjoint=False)
@@ -243,8 +259,20 @@ class HaloExchange:
     def accumulate(self, a, *, check: bool = True):
         """Neighbour-wise collective. The adjoint of ``fill``: add the ghost cells
         of ``a`` into their owners' cells, then zero the ghosts ``fill`` writes
-        (those outside a non-periodic domain are left as they are). ``check``
-        as for ``fill``."""
+        (those outside a non-periodic domain are left as they are).
+
+        Parameters
+        ----------
+        a : numpy.ndarray, cupy.ndarray or torch.Tensor
+            The padded block, modified in place.
+        check : bool, default True
+            As for ``fill``.
+
+        Returns
+        -------
+        same type as a
+            ``a`` itself.
+        """
         arr = self._check(a, "accumulate", check)
         self._plan_for(arr).execute(arr, adjoint=True)
         return a

@@ -19,7 +19,19 @@ def init(bind_device: bool = True) -> MPI.Comm:
     Starts MPI if needed (also fine without ``mpiexec``: a world of one), makes
     an uncaught exception on any rank abort the whole job instead of leaving the
     other ranks waiting in their next collective, and binds this rank to a GPU
-    chosen by its node-local rank when CuPy sees one. Returns ``MPI.COMM_WORLD``.
+    chosen by its node-local rank when CuPy sees one.
+
+    Parameters
+    ----------
+    bind_device : bool, default True
+        Make GPU ``node_local_rank % count`` this rank's current device (for
+        CuPy, and for torch when it is loaded) when CuPy sees a GPU; False
+        leaves the device choice to the caller.
+
+    Returns
+    -------
+    mpi4py.MPI.Comm
+        ``MPI.COMM_WORLD``.
     """
     global _initialised
     if not MPI.Is_initialized():

@@ -176,10 +176,22 @@ def save_checkpoint(path, model=None, optimizer=None, tensors: Mapping | None = 
     """Collective over the tensors' grid (else ``grid``, else COMM_WORLD). Save a
     checkpoint to ``path``, atomically (see the module notes).
 
-    ``model`` and ``optimizer``: replicated, their ``state_dict()`` written once,
-    by rank 0. ``tensors``: ``{name: DomainTensor}``, stored as global arrays.
-    ``extra``: anything ``torch.load(weights_only=True)`` reads back (numbers,
-    strings, lists, dicts, tensors: an epoch, a step, an RNG state).
+    Parameters
+    ----------
+    path : str or os.PathLike
+        The checkpoint file.
+    model : torch.nn.Module, optional
+        Replicated; its ``state_dict()`` is written once, by rank 0.
+    optimizer : torch.optim.Optimizer, optional
+        Likewise.
+    tensors : mapping, optional
+        ``{name: DomainTensor}``, stored as global arrays.
+    extra : optional
+        Anything ``torch.load(weights_only=True)`` reads back (numbers, strings,
+        lists, dicts, tensors: an epoch, a step, an RNG state); anything else is
+        refused before writing, naming the first such value.
+    grid : ProcessGrid, optional
+        The ranks that save, when ``tensors`` names none.
     """
     path = str(path)
     tensors = dict(tensors or {})
@@ -281,13 +293,33 @@ def load_checkpoint(path, model=None, optimizer=None, *, grid: ProcessGrid | Non
     as the saved tensors' shard maps name, dims chosen by MPI). Load a
     checkpoint saved by ``save_checkpoint``, on any number of ranks.
 
-    ``model``/``optimizer``: their state is loaded (``load_state_dict``, ``strict``
-    for the model). Tensors are re-cut for ``grid``: by ``shard`` and ``sizes``
-    (one for all tensors, or ``{name: ...}`` per tensor), else the shard map each
-    was saved with, balanced. Returns ``Checkpoint(tensors, extra)``.
-    DataError on every rank for a file that is missing (on any rank), truncated,
-    corrupt, not a checkpoint, or whose state does not unpickle or fit the model
-    and optimizer; the model and optimizer are untouched when a tensor fails.
+    Parameters
+    ----------
+    path : str or os.PathLike
+        The checkpoint file.
+    model, optimizer : optional
+        Their state is loaded (``load_state_dict``).
+    grid : ProcessGrid, optional
+        The grid the tensors are re-cut for.
+    shard, sizes : mapping, optional
+        The tensors' new layout: one for all tensors, or ``{name: ...}`` per
+        tensor; by default the shard map each was saved with, balanced.
+    strict : bool, default True
+        Passed to the model's ``load_state_dict``.
+
+    Returns
+    -------
+    Checkpoint
+        ``Checkpoint(tensors, extra)``: the DomainTensors and the ``extra``
+        object saved with them.
+
+    Raises
+    ------
+    DataError
+        On every rank, for a file that is missing (on any rank), truncated,
+        corrupt, not a checkpoint, or whose state does not unpickle or fit the
+        model and optimizer; the model and optimizer are untouched when a
+        tensor fails.
     """
     path = str(path)
     comm = grid.comm if grid is not None else MPI.COMM_WORLD

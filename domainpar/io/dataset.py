@@ -67,13 +67,32 @@ class ShardedDataset:
     ``Decomposition(.., grid, shard, sizes)``; with ``halo`` (and ``periodic``,
     ``fill``) the input is a HaloBlock as ``read`` gives it. Collective under
     mpio: every rank asks for the same i. ``len(ds)``: the number of samples.
-    ``iter(ds)``: every sample once, in order, or shuffled (``shuffle=True``) in
-    an order drawn from ``(seed, epoch)``, the same on every rank; each ``iter``
-    starts the next epoch (``set_epoch`` chooses one). ``prefetch``: read the
-    next sample in a background thread while this one is used (see the module
-    notes for mpio). ``collective``: collective transfers for reads made by the
-    calling thread under mpio (prefetched reads are independent).
-    Close with ``close()`` on every rank, or use ``with``.
+    ``iter(ds)``: every sample once, in order or shuffled; each ``iter`` starts
+    the next epoch (``set_epoch`` chooses one). Close with ``close()`` on every
+    rank, or use ``with``.
+
+    Parameters
+    ----------
+    path : str or os.PathLike
+        The HDF5 file.
+    inputs : str
+        The dataset of inputs, samples along dim 0.
+    targets : str, optional
+        The dataset of targets, as many samples.
+    grid, shard, sizes
+        The layout of each sample, as for Decomposition.
+    halo, periodic, fill
+        Ghost cells of the input, as ``read`` takes them.
+    shuffle : bool, default False
+        Iterate in an order drawn from ``(seed, epoch)``, the same on every rank.
+    seed : int, optional
+        The shuffle's seed.
+    prefetch : bool, default True
+        Read the next sample in a background thread while this one is used
+        (see the module notes for mpio).
+    collective : bool, default True
+        Collective transfers for reads made by the calling thread under mpio
+        (prefetched reads are independent).
     """
 
     def __init__(self, path, inputs: str, targets: str | None = None, *, grid: ProcessGrid,

@@ -104,22 +104,51 @@ def read(path, dataset: str, grid: ProcessGrid, shard: Mapping[int, int] | None 
          dtype: torch.dtype | None = None, order: str | None = None,
          periodic: Mapping[int, bool] | None = None, fill=0, collective: bool = True):
     """Collective. This rank's block of ``dataset`` in the HDF5 file ``path``, cut
-    by ``Decomposition(shape, grid, shard, sizes)``: a DomainTensor, or a
-    HaloBlock when ``halo`` is given.
+    by ``Decomposition(shape, grid, shard, sizes)``.
 
-    ``index``: an int (one sample, kept as a leading dim of 1) or a slice of dim 0;
-    the decomposition is of what it selects. ``halo``: an int (that many ghosts on
-    both sides of every sharded dim) or ``{dim: w or (lo, hi)}``; periodic grid
-    axes wrap, ``periodic={dim: bool}`` overrides per dim, ``fill`` pads beyond
-    non-periodic edges. ``dtype``: the dtype expected (a DataError when the file
-    holds another; nothing is converted). ``order``: 'F' when the file holds the
-    dims backwards (a Fortran simulation's array), 'C', or None to follow the
-    dataset's ``order`` attribute. ``collective``: collective transfers under mpio
-    (else independent); serial h5py reads independently anyway.
+    Parameters
+    ----------
+    path : str or os.PathLike
+        The HDF5 file.
+    dataset : str
+        The dataset's name in it.
+    grid, shard
+        The layout of what ``index`` selects, as for Decomposition.
+    halo : int or mapping, optional
+        Ghost cells to read too: an int (that many on both sides of every
+        sharded dim) or ``{dim: w or (lo, hi)}``.
+    index : int or slice, optional
+        An int (one sample, kept as a leading dim of 1) or a slice of dim 0.
+    sizes : mapping, optional
+        Block sizes, as for Decomposition.
+    dtype : torch.dtype, optional
+        The dtype expected (a DataError when the file holds another; nothing
+        is converted).
+    order : {'C', 'F'}, optional
+        'F' when the file holds the dims backwards (a Fortran simulation's
+        array); None follows the dataset's ``order`` attribute.
+    periodic : mapping, optional
+        ``{dim: bool}``: whether ghosts wrap, overriding the grid axis's
+        periodicity.
+    fill : scalar, default 0
+        The value of ghosts beyond non-periodic edges.
+    collective : bool, default True
+        Collective transfers under mpio (else independent); serial h5py reads
+        independently anyway.
 
-    Errors, on every rank alike: DataError for a missing file or dataset, a file
-    that is not HDF5 (truncated, corrupt), a dtype other than ``dtype``;
-    LayoutError for a shape that does not fit the decomposition or the index.
+    Returns
+    -------
+    DomainTensor or HaloBlock
+        The block; a HaloBlock when ``halo`` is given.
+
+    Raises
+    ------
+    DataError
+        On every rank alike, for a missing file or dataset, a file that is not
+        HDF5 (truncated, corrupt), a dtype other than ``dtype``.
+    LayoutError
+        On every rank alike, for a shape that does not fit the decomposition or
+        the index.
     """
     comm = grid.comm
     mpio = files.parallel()

@@ -92,15 +92,29 @@ def write(path, dataset: str, x: DomainTensor, *, overwrite: bool = False,
     """Collective. Write the global array of ``x`` into ``dataset`` of the HDF5 file
     ``path`` (created if missing, else added to), each rank writing its block.
 
-    ``overwrite``: replace an existing dataset of the same shape and dtype (under
-    mpio a regular dataset is written in place, keeping its chunking and filters);
-    without it, or with another shape or dtype, an existing dataset is a DataError
-    on every rank. ``compression``/``compression_opts``: h5py's filter options.
-    ``chunks``: a chunk shape, in the file's dim order (default: about a block,
-    at most 4 MiB; in serial mode cut to each part).
-    ``order='F'`` stores the dims backwards with the attribute ``order='F'``, as a
-    Fortran code would; ``read`` turns it back. ``attrs``: attributes for the
-    dataset (values h5py can store, equal on every rank).
+    Parameters
+    ----------
+    path : str or os.PathLike
+        The HDF5 file.
+    dataset : str
+        The dataset's name in it.
+    x : DomainTensor
+        The global array to write.
+    overwrite : bool, default False
+        Replace an existing dataset of the same shape and dtype (under mpio a
+        regular dataset is written in place, keeping its chunking and filters);
+        without it, or with another shape or dtype, an existing dataset is a
+        DataError on every rank.
+    compression, compression_opts : optional
+        h5py's filter options.
+    chunks : tuple of int, optional
+        A chunk shape, in the file's dim order (default: about a block, at most
+        4 MiB; in serial mode cut to each part).
+    order : {'C', 'F'}, default 'C'
+        'F' stores the dims backwards with the attribute ``order='F'``, as a
+        Fortran code would; ``read`` turns it back.
+    attrs : mapping, optional
+        Attributes for the dataset (values h5py can store, equal on every rank).
     """
     if not isinstance(x, DomainTensor):
         raise DataError(f"io.write needs a DomainTensor, got {type(x).__name__}")

@@ -9,14 +9,37 @@ from mpi4py import MPI
 
 def raises_on_every_rank(error, match: str | Sequence[str], fn, comm=None, *,
                          exact: bool = False) -> str:
-    """Collective over ``comm`` (default COMM_WORLD). Assert that ``fn()`` raises an
-    instance of ``error`` (a type or a tuple of types; exactly that type when
-    ``exact``) on every rank, of the same type and with the same message
-    everywhere, and that the message matches ``match``: a regular expression, or
-    a list of strings that must each occur in it verbatim.
+    """Collective over ``comm`` (default COMM_WORLD). Assert that ``fn()`` raises
+    the same error, with the same message, on every rank.
+
     Every rank's outcome is gathered first, so a rank that alone did not raise (or
     raised something else) fails the check on every rank instead of leaving the
-    others waiting. Returns the message."""
+    others waiting.
+
+    Parameters
+    ----------
+    error : type or tuple of types
+        The exception expected (an instance of it, or exactly it with ``exact``).
+    match : str or sequence of str
+        A regular expression the message must match, or strings that must each
+        occur in it verbatim.
+    fn : callable
+        Called with no arguments on every rank.
+    comm : mpi4py.MPI.Comm, optional
+        The ranks; COMM_WORLD by default.
+    exact : bool, default False
+        Require exactly the type ``error`` (not a subclass).
+
+    Returns
+    -------
+    str
+        The message.
+
+    Raises
+    ------
+    AssertionError
+        On every rank, when any rank did not raise as expected.
+    """
     comm = MPI.COMM_WORLD if comm is None else comm
     outcomes = comm.allgather(_outcome(error, fn, exact))
     kinds = {kind for kind, _ in outcomes}
@@ -52,9 +75,23 @@ def _names(error) -> str:
 
 def check_on_every_rank(ok: bool, what="", comm=None) -> None:
     """Collective over ``comm`` (default COMM_WORLD). Assert ``ok`` on every rank:
-    a check that failed on any rank fails on every rank, naming the ranks where
-    it failed and what they report (``what``), so no rank goes on alone into the
-    next collective."""
+    a check that failed on any rank fails on every rank, so no rank goes on alone
+    into the next collective.
+
+    Parameters
+    ----------
+    ok : bool
+        This rank's verdict.
+    what : str, default ''
+        What this rank reports when its check failed.
+    comm : mpi4py.MPI.Comm, optional
+        The ranks; COMM_WORLD by default.
+
+    Raises
+    ------
+    AssertionError
+        On every rank, naming the ranks where the check failed and their ``what``.
+    """
     comm = MPI.COMM_WORLD if comm is None else comm
     stories = comm.allgather(None if ok else f"rank {comm.Get_rank()}: {what}")
     assert not any(stories), [s for s in stories if s]

@@ -12,9 +12,26 @@ KINDS = ("even", "uneven", "zero", "periodic")
 
 
 def block_sizes(n: int, parts: int, kind: str, seed: int = 0):
-    """Local. Block sizes of ``n`` over ``parts``: balanced ('even' and 'periodic',
-    returned as None), unbalanced but non-empty where possible ('uneven'), or
-    with empty blocks ('zero': the last block takes nothing, the first the most)."""
+    """Local. Block sizes of ``n`` over ``parts``, for one of the test layouts.
+
+    Parameters
+    ----------
+    n : int
+        The size of the dim.
+    parts : int
+        The number of blocks.
+    kind : {'even', 'uneven', 'zero', 'periodic'}
+        Balanced ('even' and 'periodic'), unbalanced but non-empty where
+        possible ('uneven'), or with empty blocks ('zero': the last block takes
+        nothing, the first the most).
+    seed : int, default 0
+        Seeds the random cut of 'uneven' and 'zero'.
+
+    Returns
+    -------
+    list of int or None
+        The sizes, or None for balanced blocks.
+    """
     if kind not in KINDS:
         raise ValueError(f"layout kind {kind!r} is not one of {KINDS}")
     if kind in ("even", "periodic") or parts == 1:
@@ -35,12 +52,33 @@ def block_sizes(n: int, parts: int, kind: str, seed: int = 0):
 def layout(shape, shard_dims, grid_ndim: int, kind: str, seed: int = 0, periodic=False,
            comm=None):
     """Collective over ``comm`` (default COMM_WORLD: it builds a ProcessGrid).
-    (grid, shard, sizes) for a tensor of ``shape``, to pass to ``shard_like`` or
-    ``assert_matches_single_process``: the first ``grid_ndim`` of ``shard_dims``
-    are cut along grid axes 0, 1, 2 of a ``grid_ndim``-D grid (``MPI.Compute_dims``);
-    grid axes beyond the sharded dims replicate. ``kind`` is one of ``KINDS``
-    (see ``block_sizes``); 'periodic' (or ``periodic=True``) makes every grid
-    axis periodic."""
+    A test layout for a tensor, to pass to ``shard_like`` or
+    ``assert_matches_single_process``.
+
+    Parameters
+    ----------
+    shape : sequence of int
+        The tensor's global shape.
+    shard_dims : sequence of int
+        Dims to cut: the first ``grid_ndim`` of them are cut along grid axes 0,
+        1, 2; grid axes beyond the sharded dims replicate.
+    grid_ndim : int
+        The grid's number of axes (dims from ``MPI.Compute_dims``).
+    kind : {'even', 'uneven', 'zero', 'periodic'}
+        One of ``KINDS`` (see ``block_sizes``); 'periodic' also makes every
+        grid axis periodic.
+    seed : int, default 0
+        Seeds the block sizes.
+    periodic : bool, default False
+        Make every grid axis periodic.
+    comm : mpi4py.MPI.Comm, optional
+        The ranks; COMM_WORLD by default.
+
+    Returns
+    -------
+    tuple
+        ``(grid, shard, sizes)``; sizes is None for balanced blocks.
+    """
     comm = MPI.COMM_WORLD if comm is None else comm
     dims = MPI.Compute_dims(comm.Get_size(), grid_ndim)
     grid = ProcessGrid(dims, periodic=periodic or kind == "periodic", comm=comm)

@@ -71,11 +71,32 @@ def adjoint_test(forward: Callable, x, *, adjoint: Callable | None = None, x_spa
     """Collective. Dot-product test of a linear map F (``forward``) and its adjoint:
     ``|<F x, y> - <x, F* y>|`` relative to the terms, for a random ``y``.
 
-    ``adjoint`` defaults to what backward computes (the vector-Jacobian product
-    of ``forward`` at ``x``), which is what the test is for. ``x_space`` and
-    ``y_space`` say how to take inner products (see ``inner``); DomainTensors
-    need none. Raises AssertionError above ``rtol`` (default: 1e-10 in float64,
-    1e-4 otherwise); returns the relative error.
+    Parameters
+    ----------
+    forward : callable
+        The linear map F.
+    x : torch.Tensor, DomainTensor or numpy.ndarray
+        A point of its domain.
+    adjoint : callable, optional
+        F*; by default what backward computes (the vector-Jacobian product of
+        ``forward`` at ``x``), which is what the test is for.
+    x_space, y_space : optional
+        How to take inner products in F's domain and range (see ``inner``);
+        DomainTensors need none.
+    rtol : float, optional
+        The largest relative error allowed: 1e-10 in float64, 1e-4 otherwise.
+    seed : int, default 0
+        Seeds the random ``y``.
+
+    Returns
+    -------
+    float
+        The relative error.
+
+    Raises
+    ------
+    AssertionError
+        Above ``rtol``.
     """
     fx = forward(x)
     y_space = _space_of(fx, y_space)
@@ -139,13 +160,38 @@ def assert_matches_single_process(model: Callable, inputs, grid: ProcessGrid, sh
     ``inputs``; compare the outputs, the inputs' gradients and every parameter's
     gradient, for the loss sum(output * w) with a fixed random w.
 
-    ``inputs``: a global tensor or a tuple of them (rank 0's copies are used on
-    every rank). ``shard``: one shard map for all inputs or one per input (None
-    leaves an input replicated). ``wrap``: applied to the sharded model copy, e.g.
-    ``lambda m: dp.DomainParallel(m, grid)``. Raises AssertionError on every rank
-    when anything differs beyond the tolerances; returns the largest relative
-    error per quantity.
+    Parameters
+    ----------
+    model : callable
+        A module or function.
+    inputs : torch.Tensor or tuple of torch.Tensor
+        Global tensors (rank 0's copies are used on every rank).
+    grid : ProcessGrid
+        The processes to shard over.
+    shard : mapping or sequence of mappings
+        One shard map for all inputs or one per input (None leaves an input
+        replicated).
+    sizes : optional
+        Block sizes, as for Decomposition (one for all inputs or one per input).
+    rtol, atol : float, optional
+        Tolerances; ``TOLERANCES`` for the dtype by default (see Notes).
+    seed : int, default 0
+        Seeds the random weights ``w`` of the loss.
+    wrap : callable, optional
+        Applied to the sharded model copy, e.g. ``lambda m: dp.DomainParallel(m, grid)``.
 
+    Returns
+    -------
+    dict
+        The largest relative error per quantity.
+
+    Raises
+    ------
+    AssertionError
+        On every rank, when anything differs beyond the tolerances.
+
+    Notes
+    -----
     Tolerances are elementwise (``torch.allclose``) with ``TOLERANCES`` for the
     dtype, and an absolute tolerance of at least ``rtol`` times the quantity's
     largest element: parameter gradients, and input gradients that pass through
