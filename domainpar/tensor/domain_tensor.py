@@ -159,10 +159,23 @@ class DomainTensor(torch.Tensor):
 
     def redistribute(self, shard: Mapping[int, int],
                      sizes: Mapping[int, Sequence[int]] | None = None) -> "DomainTensor":
-        """Collective. The same global tensor laid out by ``shard`` and ``sizes`` on
-        the same grid (an alltoallv; differentiable). Grid axes are those of the
-        grid the user made (``grid.root``), also when an op left the tensor on a
-        merged grid; ``shard={2: (0, 1)}`` cuts dim 2 over axes 0 and 1."""
+        """Collective. The same global tensor laid out anew on the same grid (an
+        alltoallv; differentiable).
+
+        Parameters
+        ----------
+        shard : mapping
+            ``{tensor_dim: grid_axis}``, or ``{dim: (a, b)}`` to cut a dim over
+            several axes. Grid axes are those of the grid the user made
+            (``grid.root``), also when an op left the tensor on a merged grid.
+        sizes : mapping, optional
+            Block sizes, as for Decomposition; balanced by default.
+
+        Returns
+        -------
+        DomainTensor
+            The new layout.
+        """
         dst = Decomposition(self._dec.global_shape, self._dec.grid.root, shard, sizes)
         return DomainTensor(ag.repartition(self._local, self._dec, dst), dst)
 
