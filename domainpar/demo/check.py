@@ -26,6 +26,12 @@ compared with the one-process run on rank 0, in two precisions:
   ranks), while a model that is wrong when sharded is off by orders of
   magnitude more.
 
+The float64 runs are float64 throughout: complex parameters and buffers become
+complex128 (``_converted``; ``Module.to`` would make them real) and the model's
+own factory calls that name float32 or complex64 make the double dtype
+(``_Double``, in both runs alike), since a hard-coded single-precision buffer
+(neuraloperator's spectrum) would round both runs' gradients to float32 there.
+
 In both precisions a quantity's scale (the ``max |want|`` above) is the largest
 value in its group, not its own: a conv bias in front of a normalization (MONAI's
 UNet, DynUNet) has gradient zero, and what both runs compute for it is the
@@ -35,9 +41,11 @@ make the group's noise level 1e9 and the float32 check vacuous.
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 
 import torch
+from torch.overrides import TorchFunctionMode
 
 import domainpar as dp
 from ..bench.timing import on_rank0
@@ -54,6 +62,43 @@ FLOAT32_FLOOR = 2 * torch.finfo(torch.float32).eps
 def _loss_weight(shape, dtype) -> torch.Tensor:
     g = torch.Generator().manual_seed(7919)
     return torch.randn(shape, generator=g, dtype=torch.float64).to(dtype)
+
+
+def _converted(model: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
+    """Local. A copy of ``model`` whose floating parameters and buffers are in
+    ``dtype`` and complex ones in the complex dtype of the same precision
+    (``Module.to(torch.float64)`` would cast complex weights, such as
+    neuraloperator's spectral weights, to real ones, dropping the imaginary part)."""
+    as_complex = {torch.float64: torch.complex128, torch.float32: torch.complex64}[dtype]
+    return copy.deepcopy(model)._apply(
+        lambda t: t.to(dtype) if t.is_floating_point() else
+        t.to(as_complex) if t.is_complex() else t)
+
+
+# Factories whose explicit single-precision dtype the float64 runs make double.
+_FACTORIES = frozenset((torch.zeros, torch.ones, torch.full, torch.empty, torch.zeros_like,
+                        torch.ones_like, torch.full_like, torch.empty_like, torch.Tensor.new_zeros,
+                        torch.Tensor.new_ones, torch.Tensor.new_full, torch.Tensor.new_empty,
+                        torch.tensor, torch.as_tensor, torch.arange, torch.linspace))
+_DOUBLE = {torch.float32: torch.float64, torch.complex64: torch.complex128}
+
+
+class _Double(TorchFunctionMode):
+    """Local. The float64 runs' mode: a factory call in the model that names
+    float32 or complex64 makes float64 or complex128 (neuraloperator's
+    SpectralConv allocates its spectrum buffer as complex64 whatever the input,
+    which would round the float64 runs' spectral path, and its gradient, to
+    single precision). The same in both runs: the truth is float64 throughout."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in _FACTORIES and kwargs.get("dtype") in _DOUBLE:
+            kwargs = {**kwargs, "dtype": _DOUBLE[kwargs["dtype"]]}
+        return func(*args, **kwargs)
+
+
+def _precision(dtype: torch.dtype):
+    return _Double() if dtype == torch.float64 else contextlib.nullcontext()
 
 
 def _one_process(model: torch.nn.Module, crop: torch.Tensor) -> dict:
@@ -89,8 +134,9 @@ def _group(name: str) -> str:
 
 
 def _max_rel(a: torch.Tensor, b: torch.Tensor, scale: float) -> tuple[float, float]:
-    """Max |a - b| and that over ``scale`` (b the reference)."""
-    diff = float((a.double() - b.double()).abs().max())
+    """Max |a - b| and that over ``scale`` (b the reference; complex: the modulus)."""
+    wide = torch.complex128 if a.is_complex() or b.is_complex() else torch.float64
+    diff = float((a.to(wide) - b.to(wide)).abs().max())
     return diff, diff / max(scale, 1e-30)
 
 
@@ -157,11 +203,13 @@ def check(model: torch.nn.Module, crop: torch.Tensor, grid: dp.ProcessGrid, shar
     comm = grid.comm
     want, got = {}, {}
     for dtype in DTYPES:
-        ref_model = copy.deepcopy(model).to(dtype).train()
+        ref_model = _converted(model, dtype).train()
         # The one-process run is rank 0's only: the others wait (asleep) meanwhile.
-        on_rank0(comm, lambda: want.__setitem__(dtype, _one_process(ref_model, crop.to(dtype))))
-        got[dtype] = _sharded(copy.deepcopy(model).to(dtype).train(), crop.to(dtype), grid,
-                              shard, sizes)
+        with _precision(dtype):
+            on_rank0(comm, lambda: want.__setitem__(dtype,
+                                                    _one_process(ref_model, crop.to(dtype))))
+            got[dtype] = _sharded(_converted(model, dtype).train(), crop.to(dtype), grid,
+                                  shard, sizes)
 
     def judge():
         report = {"float64": _compare(got[torch.float64], want[torch.float64], None),

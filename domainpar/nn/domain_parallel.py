@@ -44,6 +44,7 @@ output) never finishes the step, and the others wait for it.
 """
 from __future__ import annotations
 
+import contextlib
 import itertools
 from typing import Iterable
 
@@ -59,6 +60,7 @@ from ..comm.errors import (DomainparError, MismatchError, agree, completes_withi
 from ..comm.grid import ProcessGrid
 from ..tensor import params as domain_params
 from ..tensor.dispatch import UnsupportedOpError
+from .factories import ShardedFactories
 
 
 class DomainParallel(torch.nn.Module):
@@ -73,6 +75,10 @@ class DomainParallel(torch.nn.Module):
     networks with asynchronous progress), or reduce it at once with a blocking
     allreduce, which is faster where nonblocking collectives are slower and do
     not progress in the background (``domainpar bench grads`` measures both).
+    ``sharded_factories``: run the forward inside ``dp.sharded_factories()``, so
+    that a buffer made by ``torch.zeros(...)`` (and the like) takes a layout when
+    a DomainTensor is written into it (``nn/factories.py``); False leaves every
+    factory plain.
 
     ``module`` runs unchanged on DomainTensors; grids with a batch axis (say
     ``shard={0: 0, 2: 1}``) need nothing special: gradients are summed over all
@@ -83,10 +89,12 @@ class DomainParallel(torch.nn.Module):
     """
 
     def __init__(self, module: torch.nn.Module, grid: ProcessGrid, *,
-                 bucket_cap_mb: float = 25.0, overlap: bool = True):
+                 bucket_cap_mb: float = 25.0, overlap: bool = True,
+                 sharded_factories: bool = True):
         super().__init__()
         self.module = module
         self.grid = grid
+        self._factories = sharded_factories
         _agree_structure(module, grid.comm)
         with torch.no_grad():
             for t in itertools.chain(module.parameters(), module.buffers()):
@@ -104,7 +112,8 @@ class DomainParallel(torch.nn.Module):
         self._reducer.begin_forward()
         token = domain_params.set_deferrer(self._reducer.deferral)
         try:
-            out = self.module(*args, **kwargs)
+            with ShardedFactories() if self._factories else contextlib.nullcontext():
+                out = self.module(*args, **kwargs)
         except Exception:
             # Tell the peers (or, if they never come, blocked in communication this
             # rank left, give up waiting), then raise here as before.
