@@ -1,5 +1,6 @@
 """README.md's quickstart runs as written on 4 ranks, and its losses are the
-ones plain PyTorch gives on the whole field in one process.
+ones plain PyTorch gives on the whole field in one process; the README stays a
+front page (the rest lives in docs/, tests/test_docs.py).
 
 Serial (not marked mpi): the test launches its own mpiexec.
 """
@@ -50,3 +51,14 @@ def test_quickstart_runs_on_four_ranks_with_one_process_numbers(tmp_path):
     torch.testing.assert_close(torch.tensor(sharded, dtype=torch.float64),
                                torch.tensor(expected, dtype=torch.float64),
                                rtol=1e-5, atol=0)
+
+
+def test_readme_stays_a_front_page():
+    """What a newcomer needs first (what, two commands, the quickstart, the models
+    that run, links); reference text, guides and figures go to docs/ (issue 19)."""
+    text = (ROOT / "README.md").read_text()
+    sections = re.findall(r"^## (.+)$", text, re.M)
+    assert sections[:2] == ["Two commands", "Quickstart"], sections
+    assert "Documentation" in sections, sections
+    lines = len(text.splitlines())
+    assert lines <= 250, f"README.md has {lines} lines: move detail to a page in docs/"
