@@ -165,12 +165,15 @@ def test_bad_figures_and_options_raise_on_every_rank():
                          lambda: dp.Balancer(dec, threshold=threshold))
     raises_on_every_rank(dp.LayoutError, "must name sharded dims",
                          lambda: dp.Balancer(dec, dims=[1]))
+    raises_on_every_rank(dp.LayoutError, "clock must be 'wall' or 'cpu'",
+                         lambda: dp.Balancer(dec, clock="gpu"))
     other = shard_like(torch.zeros(9, 3), grid, {0: 0})
     raises_on_every_rank(dp.LayoutError, "does not match the balanced layout",
                          lambda: balancer.layout(other))
 
 
-def test_measured_step_without_injection_runs_and_agrees():
+@pytest.mark.parametrize("clock_kind", ["wall", "cpu"])
+def test_measured_step_without_injection_runs_and_agrees(clock_kind):
     """The measured path: real timing, so only agreement and sanity are checked."""
     grid = dp.ProcessGrid((SIZE,))
     torch.manual_seed(0)
@@ -178,7 +181,7 @@ def test_measured_step_without_injection_runs_and_agrees():
     xs = [shard_like(global_tensor((1, 2, 16, 8), torch.float64, seed=i), grid, {2: 0})
           for i in range(3)]
     ys = [shard_like(global_tensor((1, 1, 16, 8), torch.float64, seed=9), grid, {2: 0})] * 3
-    balancer = dp.Balancer(xs[0].decomposition, warmup=1)
+    balancer = dp.Balancer(xs[0].decomposition, warmup=1, clock=clock_kind)
     train(model, xs, ys, balancer, inject=False)
     estimate = balancer.throughput_estimate()
     assert estimate is not None and np.all(estimate > 0)
@@ -193,3 +196,4 @@ def test_clock_counts_outermost_calls_once():
     halo.fill(np.zeros((dec.local_shape()[0] + 2, 3)))  # checks agree inside: still one call
     assert clock.blocking_calls() == calls + 1
     assert clock.blocked_seconds() > seconds
+    assert clock.blocked_seconds(cpu=True) >= 0 and clock.now(cpu=True) > 0

@@ -15,12 +15,12 @@ are not touched.
 from __future__ import annotations
 
 import math
-import time
 from typing import Mapping, Sequence
 
 import numpy as np
 
-from ..comm import clock, collectives
+from ..comm import clock as comm_clock
+from ..comm import collectives
 from ..comm.decomposition import Decomposition
 from ..comm.errors import LayoutError, agree
 from ..tensor import DomainTensor
@@ -56,16 +56,24 @@ class Balancer:
         Fewest rows a block keeps, so every rank goes on measuring.
     unit : mapping, optional
         ``{dim: k}``: blocks in whole ``k`` rows (``Decomposition``'s align).
+    clock : {"wall", "cpu"}, default "wall"
+        What a rank's compute is measured in: wall time (a rank that shares
+        its core runs slower and gets less) or the process's CPU time (the
+        per-cell cost alone: steady where other load blurs the wall clock,
+        blind to a rank's share of its core).
     """
 
     def __init__(self, decomposition: Decomposition, *, dims: Sequence[int] | None = None,
                  threshold: float = 0.05, smoothing: float = 0.5, every: int = 1,
-                 warmup: int = 1, min_size: int = 1, unit: Mapping[int, int] | None = None):
+                 warmup: int = 1, min_size: int = 1, unit: Mapping[int, int] | None = None,
+                 clock: str = "wall"):
         dec = decomposition
         self.grid, self._comm = dec.grid, dec.grid.comm
-        problem = _check_options(dec, dims, threshold, smoothing, every, warmup, min_size, unit)
+        problem = _check_options(dec, dims, threshold, smoothing, every, warmup, min_size, unit,
+                                 clock)
         agree(self._comm, problem, what="Balancer options",
-              described=(dims, threshold, smoothing, every, warmup, min_size, unit))
+              described=(dims, threshold, smoothing, every, warmup, min_size, unit, clock))
+        self._cpu = clock == "cpu"
         self.dims = tuple(sorted(d % len(dec.global_shape) for d in dims)) if dims is not None \
             else tuple(dec.shard)
         self.threshold, self.smoothing, self.every = float(threshold), float(smoothing), every
@@ -132,6 +140,18 @@ class Balancer:
         return x.redistribute(dec.shard, {**{d: dec.block_sizes(d) for d in dec.shard},
                                           **wanted})
 
+    def adopt(self, decomposition: Decomposition) -> None:
+        """Local. Take ``decomposition`` (the reference's global shape and shard
+        map) as the current layout: the data were laid out by another
+        partitioner, e.g. ``dp.points.partition(coords, capacity=balancer.shares())``
+        after ``step()`` returned True. Measurements go on from it."""
+        ref = self.decomposition
+        if tuple(decomposition.global_shape) != tuple(ref.global_shape) or \
+                decomposition.shard != ref.shard or decomposition.grid.comm != self._comm:
+            raise LayoutError(f"Balancer.adopt: {decomposition!r} is not a layout of the "
+                              f"balanced shape {ref.global_shape} with shard {ref.shard}")
+        self.decomposition = decomposition
+
     def _sizes_for(self, global_shape, shard) -> dict[int, tuple[int, ...]]:
         """Local. The current sizes of the balanced dims that ``shard`` cuts, after
         checking that they match the reference layout (metadata alike on every
@@ -152,7 +172,7 @@ class Balancer:
     # -- measuring and deciding ------------------------------------------------------------
     def start(self) -> None:
         """Local. Begin a measured span now (``step()`` begins the next one itself)."""
-        self._t0, self._b0 = time.perf_counter(), clock.blocked_seconds()
+        self._t0, self._b0 = comm_clock.now(self._cpu), comm_clock.blocked_seconds(self._cpu)
 
     def step(self, compute_seconds: float | None = None) -> bool:
         """Collective (one allreduce over the grid, and a layout check when it
@@ -171,9 +191,9 @@ class Balancer:
         bool
             True when the layout moved: pass the next data through ``layout``.
         """
-        wall = time.perf_counter() - self._t0
-        seconds = wall - (clock.blocked_seconds() - self._b0) if compute_seconds is None \
-            else compute_seconds
+        span = comm_clock.now(self._cpu) - self._t0
+        seconds = span - (comm_clock.blocked_seconds(self._cpu) - self._b0) \
+            if compute_seconds is None else compute_seconds
         costs = self._gather(seconds, math.prod(self.decomposition.local_shape()))
         self._steps += 1
         moved = False
@@ -224,8 +244,8 @@ class Balancer:
         current = {d: ref.block_sizes(d) for d in ref.shard}
         proposal = plan.balanced_plan(ref.global_shape, ref.shard, self.grid.dims, self._coords,
                                       throughput, self.dims, self.min_size, self.unit)
-        saving = plan.gain(current, proposal, ref.shard, self._coords, throughput)
-        moved = saving > self.threshold and any(proposal[d] != current[d] for d in proposal)
+        saving = float(plan.gain(current, proposal, ref.shard, self._coords, throughput))
+        moved = bool(saving > self.threshold) and any(proposal[d] != current[d] for d in proposal)
         self.history.append({"step": self._steps, "throughput": throughput.tolist(),
                              "sizes": {d: list(s) for d, s in current.items()},
                              "proposed": {d: list(s) for d, s in proposal.items()},
@@ -275,10 +295,15 @@ class Balancer:
         return None if throughput is None else throughput / throughput.sum()
 
 
-def _check_options(dec, dims, threshold, smoothing, every, warmup, min_size, unit) -> str | None:
+def _check_options(dec, dims, threshold, smoothing, every, warmup, min_size, unit,
+                   clock) -> str | None:
     """Local. What is wrong with the Balancer's arguments, or None."""
     if not isinstance(dec, Decomposition):
         return f"Balancer takes a Decomposition, got {type(dec).__name__}"
+    if getattr(dec, "_multi", None):
+        return f"Balancer: dim {dec._multi[0]} is cut over several grid axes; not balanced"
+    if clock not in ("wall", "cpu"):
+        return f"Balancer: clock must be 'wall' or 'cpu', got {clock!r}"
     ndim = len(dec.global_shape)
     for d in (dims if dims is not None else ()):
         if not isinstance(d, int) or not -ndim <= d < ndim or d % ndim not in dec.shard:

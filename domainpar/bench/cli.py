@@ -71,6 +71,17 @@ def _bench_scaling(args) -> int:
     return 0
 
 
+def _bench_balance(args) -> int:
+    from . import balance
+    from ..comm import init
+    init()
+    balance.run(cases=args.cases, side=args.side, channels=args.channels, layers=args.layers,
+                points=args.points, cluster=args.cluster, passes=args.passes,
+                slow_rank=args.slow_rank, settle=args.settle, repeats=args.repeats,
+                clock_kind=args.clock, out=args.out)
+    return 0
+
+
 def _count(text: str) -> int:
     """argparse type: a whole number >= 0."""
     value = int(text)
@@ -275,3 +286,50 @@ def add_parser(subparsers) -> None:
     _add_out(scaling, "scaling")
     settings.add_argument(scaling)
     scaling.set_defaults(run=_bench_scaling, launches_jobs=True)
+
+    _add_balance(bench_sub)
+
+
+def _add_balance(bench_sub) -> None:
+    balance = bench_sub.add_parser(
+        "balance", help="dynamic load balancing (dp.Balancer) with one rank slowed: step "
+                        "time on even and on balanced blocks, interleaved, against the ideal",
+        description="One rank (--slow-rank) is slowed by a per-cell delay: each step it runs "
+                    "its model's first layer --passes extra times on its own block. A "
+                    "dp.Balancer measures --settle steps from even blocks and moves them; "
+                    "then the even and the balanced layouts are timed step by step, "
+                    "interleaved. Cases: grid (a Conv2d stack on a field sharded along H) "
+                    "and points (a pointwise MLP on a clustered point set partitioned by "
+                    "dp.points.partition, re-partitioned with capacity=balancer.shares()). "
+                    "Reports each layout's median step, the speedup, the ideal step (total "
+                    "cells over the sum of the ranks' measured throughputs) and "
+                    "balanced/ideal (target <= 1.15), per-rank compute and time blocked in "
+                    "communication, and the load average. Prints a table; writes JSON.")
+    _add_nprocs(balance)
+    balance.add_argument("--cases", nargs="+", choices=["grid", "points"],
+                         default=["grid", "points"], help="cases (default: both)")
+    balance.add_argument("--side", type=positive(int), default=256,
+                         help="grid case: H = W of the (1, C, H, W) field (default 256)")
+    balance.add_argument("--channels", type=positive(int), default=16,
+                         help="channels C (grid) or features per point (default 16)")
+    balance.add_argument("--layers", type=positive(int), default=4,
+                         help="conv layers (grid) or MLP layers (points) (default 4)")
+    balance.add_argument("--points", type=positive(int), default=100_000,
+                         help="points case: points (default 100000)")
+    balance.add_argument("--cluster", type=float, default=0.7,
+                         help="points case: fraction of the points in one small ball "
+                              "(default 0.7)")
+    balance.add_argument("--passes", type=_count, default=12,
+                         help="extra passes of the first layer per step on the slowed rank "
+                              "(default 12)")
+    balance.add_argument("--slow-rank", type=int, default=None,
+                         help="the slowed rank (default: the last)")
+    balance.add_argument("--settle", type=positive(int), default=8,
+                         help="balancer steps before timing (default 8)")
+    balance.add_argument("--repeats", type=positive(int), default=7,
+                         help="timed steps per layout (default 7)")
+    balance.add_argument("--clock", choices=["wall", "cpu"], default="wall",
+                         help="what the Balancer measures compute in: wall time (default) "
+                              "or CPU time (steadier on a loaded machine)")
+    _add_out(balance, "balance")
+    balance.set_defaults(run=_bench_balance)

@@ -331,5 +331,10 @@ def _scaling(report: dict, plt):
     return fig
 
 
+def _balance(report: dict, plt):
+    from .balance import plot  # its module draws it (torch is loaded by then)
+    return plot(report, plt)
+
+
 _PLOTS = {"halo": _halo, "conv": _conv, "grads": _grads, "attention": _attention, "io": _io,
-          "scaling": _scaling}
+          "scaling": _scaling, "balance": _balance}

@@ -3,10 +3,12 @@
 Every call of comm/ that can wait for another rank (halo fill and accumulate,
 the collectives, the waits of nonblocking work, ``agree``) is wrapped in
 ``blocking``: it adds its wall time to a running total that ``blocked_seconds``
-reads. A step's wall time minus the total's growth over the step is the time
-this rank computed (``domainpar.balance`` fits throughputs from it). A call
+reads, and its CPU time (``process_time``) to a second total. A step's time
+minus the total's growth over the step is the time this rank computed
+(``domainpar.balance`` fits throughputs from it): wall time by default, CPU
+time where other load on a shared machine would blur the wall clock. A call
 made inside another wrapped call is counted once, by the outer one. The cost
-is two ``perf_counter`` reads per call.
+is two reads of each clock per call.
 """
 from __future__ import annotations
 
@@ -16,13 +18,20 @@ import time
 
 _local = threading.local()
 _lock = threading.Lock()
-_total = [0.0, 0]  # seconds, calls
+_total = [0.0, 0, 0.0]  # wall seconds, calls, CPU seconds
 
 
-def blocked_seconds() -> float:
+def blocked_seconds(cpu: bool = False) -> float:
     """Local. Seconds this process has spent inside domainpar's communication
-    calls so far (all threads; a nested call counted once)."""
-    return _total[0]
+    calls so far (all threads; a nested call counted once): wall time, or with
+    ``cpu`` the process's CPU time (``time.process_time``) in them."""
+    return _total[2] if cpu else _total[0]
+
+
+def now(cpu: bool = False) -> float:
+    """Local. The clock ``blocked_seconds`` counts in: ``perf_counter`` or
+    ``process_time``."""
+    return time.process_time() if cpu else time.perf_counter()
 
 
 def blocking_calls() -> int:
@@ -38,13 +47,14 @@ def blocking(fn):
         if depth:
             return fn(*args, **kwargs)
         _local.depth = 1
-        start = time.perf_counter()
+        start, start_cpu = time.perf_counter(), time.process_time()
         try:
             return fn(*args, **kwargs)
         finally:
-            took = time.perf_counter() - start
+            took, took_cpu = time.perf_counter() - start, time.process_time() - start_cpu
             _local.depth = 0
             with _lock:
                 _total[0] += took
                 _total[1] += 1
+                _total[2] += took_cpu
     return timed
