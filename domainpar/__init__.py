@@ -12,6 +12,7 @@ __version__ = "0.1.0"
 # name -> submodule that defines it; importing ``ops`` registers the op rules.
 _TORCH_NAMES = {"DomainTensor": "tensor", "UnsupportedOpError": "tensor",
                 "allow_gather": "tensor", "scatter": "tensor", "DomainParallel": "nn",
+                "sharded_factories": "nn",
                 "Balancer": "balance",
                 # opt_einsum's backend protocol for arrays of this package (ops/interop.py)
                 "einsum": "ops.interop", "tensordot": "ops.interop", "transpose": "ops.interop"}
@@ -35,4 +36,4 @@ def __getattr__(name):
 
 __all__ = ["Balancer", "Decomposition", "DomainParallel", "DomainTensor", "DomainparError",
            "HaloExchange", "LayoutError", "MismatchError", "ProcessGrid", "UnsupportedOpError",
-           "allow_gather", "init", "scatter", "__version__"]
+           "allow_gather", "init", "scatter", "sharded_factories", "__version__"]

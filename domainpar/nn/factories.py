@@ -16,8 +16,9 @@ device with no data yet, and the first use decides what it is:
 - the first write into it is ``buf[index] = value`` with ``value`` a DomainTensor
   (basic index: ints, slices, None, Ellipsis): the buffer becomes a DomainTensor
   (the same Python object) whose dims are cut where the written region's dims are
-  cut in ``value``, over the same grid axes; the blocks of such a dim are those
-  of the last DomainTensor that the forward produced with that size on that dim
+  cut in ``value``, over the same grid axes (none when ``value`` cuts none: on
+  one rank, or on grid axes of one process); the blocks of such a dim are those
+  of the last DomainTensor that the forward used or produced with that size on that dim
   over that axis (so ``out`` is laid out like the spectrum it was sliced from and
   the write sends nothing), else balanced. Each rank allocates only its block,
   filled as the factory says; regions not written keep that fill on their
@@ -31,7 +32,9 @@ device with no data yet, and the first use decides what it is:
 A DomainTensor written into a buffer that is already plain is refused on every
 rank (``ops/index.py``'s message names the fix: allocate from the DomainTensor,
 ``x.new_zeros(...)``), as is a write whose region has no dim that the value cuts
-(a value cut only along broadcast dims); the decision is made from layouts and
+although the value is cut (only along dims the region broadcasts: the buffer
+would be whole on every rank, which is what sharding was asked to avoid), and a
+write whose index holds tensors; the decision is made from layouts and
 the index alone, the same on every rank. Calls with a DomainTensor argument
 (``x.new_zeros``, ``torch.zeros_like(x)``) are not touched: their own rules lay
 them out like ``x``.
@@ -126,6 +129,11 @@ class PendingTensor(DomainTensor):
     def _take_layout(self, index, value: DomainTensor) -> None:
         """Local (layouts and the index only, alike on every rank). Become the
         DomainTensor that ``value``'s layout gives (see the module docstring)."""
+        if self._recipe.requires_grad and torch.is_grad_enabled():
+            # one process's error, raised alike on every rank (the blocks would
+            # raise it as a leaf or as a view of one, depending on the region)
+            raise RuntimeError("a leaf Variable that requires grad is being used in an "
+                               "in-place operation.")
         dec = _layout_for(self, index, value)
         block = self._recipe.block(dec.local_shape())
         del self._recipe, self._plain
@@ -186,7 +194,8 @@ def _region_dims(index, shape) -> tuple[list, list]:
 
 def _layout_for(buf: PendingTensor, index, value: DomainTensor):
     """The buffer's decomposition: its dims cut where ``value`` cuts the region
-    (a value dim that broadcasts, of size 1, cuts nothing)."""
+    (a value dim that broadcasts, of size 1, cuts nothing); none cut when the
+    value cuts none either (a replicated value: one rank, axes of one process)."""
     shape = tuple(buf.shape)
     dims, region = _region_dims(index, shape)
     lead = len(dims) - value.ndim
@@ -201,7 +210,7 @@ def _layout_for(buf: PendingTensor, index, value: DomainTensor):
         seen = buf._recipe.seen.get((shape[b], axis))
         if seen is not None and seen[0] is vdec.grid:
             sizes[b] = seen[1]
-    if not shard:
+    if vdec.shard and not shard:
         raise _refusal(f"the written value ({layout.sharded_dims_text(vdec)}) is cut only "
                        f"along dims that the region {tuple(region)} broadcasts or does not have")
     return layout.derive(vdec, shape, shard, sizes)
@@ -217,7 +226,7 @@ def _refusal(why: str) -> UnsupportedOpError:
 class ShardedFactories(TorchFunctionMode):
     """Local. The mode behind ``sharded_factories()``: factory calls on plain
     arguments give pending buffers; the layouts of the DomainTensors that the
-    calls produce are remembered (per size and grid axis) to give buffers the
+    calls take (top-level arguments) and produce are remembered (per size and grid axis) to give buffers the
     same blocks."""
 
     def __init__(self):
@@ -229,12 +238,17 @@ class ShardedFactories(TorchFunctionMode):
         spec = _FACTORIES.get(func)
         if spec is not None and _plain_call(args, kwargs):
             return _pending(func, args, kwargs, spec, self.seen)
+        for a in args:
+            if type(a) is DomainTensor:
+                self._note(a._dec)
         out = func(*args, **kwargs)
         if type(out) is DomainTensor:
-            dec = out._dec
-            for d, axis in dec.shard.items():
-                self.seen[(dec.global_shape[d], axis)] = (dec.grid, dec.block_sizes(d))
+            self._note(out._dec)
         return out
+
+    def _note(self, dec) -> None:
+        for d, axis in dec.shard.items():
+            self.seen[(dec.global_shape[d], axis)] = (dec.grid, dec.block_sizes(d))
 
 
 def _plain_call(args, kwargs) -> bool:
@@ -273,11 +287,24 @@ def _pending(func, args, kwargs, spec, seen: dict) -> torch.Tensor:
 
 @contextlib.contextmanager
 def sharded_factories() -> Iterator[None]:
-    """Local. Inside this block, ``torch.zeros``/``ones``/``full``/``empty`` (and
-    their ``*_like`` and ``new_*`` forms on plain tensors) give buffers that take
-    a layout when a DomainTensor is written into them, and are plain tensors
-    otherwise (see ``domainpar.nn.factories``). ``DomainParallel`` runs every
-    forward inside it."""
+    """Local. A context in which factory buffers take the layout of the first
+    DomainTensor written into them.
+
+    Inside the block, ``torch.zeros``/``ones``/``full``/``empty`` (and their
+    ``*_like`` and ``new_*`` forms on plain tensors) allocate nothing at first.
+    ``out[index] = value`` with ``value`` a DomainTensor makes ``out`` a
+    DomainTensor cut where ``value`` cuts the region (indices are global; each
+    rank allocates its block, regions not written keep the fill); any other first
+    use makes it the plain tensor one process has. ``DomainParallel`` runs every
+    forward inside it, so spectral layers written as
+    ``out = torch.zeros(...); out[..., :m1, :m2] = x_ft[..., :m1, :m2] @ w`` run
+    unmodified.
+
+    Yields
+    ------
+    None
+        Use as ``with dp.sharded_factories(): ...`` on every rank alike.
+    """
     with ShardedFactories():
         yield
 
