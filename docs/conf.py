@@ -32,13 +32,8 @@ numpydoc_class_members_toctree = False
 html_theme = "furo"
 html_title = "domainpar"
 
-numpydoc_validation_checks = {"PR01", "PR02", "PR03", "PR10", "RT01"}
-
 # Every documented name must say what each parameter is and what it returns,
 # in numpydoc sections (PR01 parameters missing, PR02 unknown, PR03 out of
 # order, PR10 "name: type" without a space, RT01 no Returns section where
 # something is returned). -W makes a miss an error in `make test`.
 numpydoc_validation_checks = {"PR01", "PR02", "PR03", "PR10", "RT01"}
-# DomainParallel's docstring is being rewritten by work in progress (issue 18:
-# sharded factories); checked once that is done.
-numpydoc_validation_exclude = {r"^domainpar\.DomainParallel$"}

@@ -70,16 +70,27 @@ class DomainParallel(torch.nn.Module):
     parameters' gradients are summed over the grid bucketed and asynchronously
     during backward.
 
-    ``bucket_cap_mb``: the size of a bucket. ``overlap``: start each full
-    bucket's allreduce nonblocking while backward goes on (the default, for
-    networks with asynchronous progress), or reduce it at once with a blocking
-    allreduce, which is faster where nonblocking collectives are slower and do
-    not progress in the background (``domainpar bench grads`` measures both).
-    ``sharded_factories``: run the forward inside ``dp.sharded_factories()``, so
-    that a buffer made by ``torch.zeros(...)`` (and the like) takes a layout when
-    a DomainTensor is written into it (``nn/factories.py``); False leaves every
-    factory plain.
+    Parameters
+    ----------
+    module : torch.nn.Module
+        The model, unchanged; every rank builds the same one.
+    grid : ProcessGrid
+        The processes whose gradients are summed (every rank of the grid).
+    bucket_cap_mb : float, default 25.0
+        The size of a bucket of gradients, in MiB.
+    overlap : bool, default True
+        Start each full bucket's allreduce nonblocking while backward goes on
+        (for networks with asynchronous progress); False reduces it at once
+        with a blocking allreduce, which is faster where nonblocking
+        collectives are slower and do not progress in the background
+        (``domainpar bench grads`` measures both).
+    sharded_factories : bool, default True
+        Run the forward inside ``dp.sharded_factories()``, so that a buffer made
+        by ``torch.zeros(...)`` (and the like) takes a layout when a DomainTensor
+        is written into it (``nn/factories.py``); False leaves every factory plain.
 
+    Notes
+    -----
     ``module`` runs unchanged on DomainTensors; grids with a batch axis (say
     ``shard={0: 0, 2: 1}``) need nothing special: gradients are summed over all
     ranks that hold distinct data. Buffers are broadcast once here; ops that
