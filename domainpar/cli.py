@@ -19,7 +19,8 @@ from .launch import mpiexec_env, mpiexec_path, under_launcher
 
 # The modules that add a command family: each has ``add_parser(subparsers)``
 # and imports torch and MPI only when its command runs.
-COMMAND_MODULES = ("domainpar.bench.cli", "domainpar.plan.cli", "domainpar.demo.cli")
+COMMAND_MODULES = ("domainpar.bench.cli", "domainpar.plan.cli", "domainpar.plan.timecli",
+                   "domainpar.demo.cli")
 
 
 def _relaunch(nprocs: int) -> int:

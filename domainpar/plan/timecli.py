@@ -1,0 +1,98 @@
+"""`domainpar model`: its parser (torch and MPI load only when it runs)."""
+from __future__ import annotations
+
+import argparse
+import sys
+
+from ..launch import positive
+from .cli import _kwargs
+
+DESCRIPTION = """\
+Predict a model's training step time at P ranks on a process grid, and check
+the prediction against measured steps.
+
+  step = compute(block) x rate + sum over the step's communication events
+
+compute: a training step (forward, backward, SGD) timed in this process on
+scaled-down blocks over a one-rank grid, one torch thread, fitted to
+a + b*cells + c*faces of the block (the memory plan's method). The events:
+one step of the model traced on 2 ranks with the comm layer instrumented
+(every halo exchange, allreduce, transpose, ring shift, gather, with its
+layout), then re-counted for the target grid from the layouts (halo bytes and
+neighbours per round, allreduce sizes, transposes' bytes and peers). A
+network is a latency and a bandwidth: measured here over shared memory or
+Open MPI's TCP on loopback (`--profile default|tcp`), an entered cluster
+profile (cpu-cluster, gpu-cluster), or --latency/--bandwidth. --rate scales
+the measured compute for other hardware. Ranks beyond a node's cores share
+them (--cores). docs/scaling.md has the validation and the assumptions.
+
+  domainpar model predict ENTRY --shape ... --ranks 1 8 64   one model
+  domainpar model validate    UNet3d, ViT, FNO at 1-4 ranks: predicted vs measured
+  domainpar model project     UNet3d 256^3-1024^3, 1-1,024 ranks, CPU and GPU clusters"""
+
+
+def add_parser(subparsers) -> None:
+    """Add `model` to the top-level subparsers."""
+    model = subparsers.add_parser(
+        "model", help="predict step time at P ranks (time model); validate; project",
+        description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = model.add_subparsers(dest="model_command", required=True)
+    p = sub.add_parser("predict", help="one model's predicted step time per rank count")
+    p.add_argument("entry", help="MODULE:CALLABLE returning the torch.nn.Module")
+    p.add_argument("--kwargs", type=_kwargs, default={}, help="JSON keyword arguments")
+    p.add_argument("--shape", type=positive(int), nargs="+", required=True,
+                   help="the full input's shape, batch and channels first")
+    p.add_argument("--trace-shape", type=positive(int), nargs="+",
+                   help="shape to trace and measure at (default --shape); events scale "
+                        "from it dim by dim")
+    p.add_argument("--shard-dims", type=int, nargs="+", help="default: dims 2 and up")
+    p.add_argument("--ranks", type=positive(int), nargs="+", required=True)
+    p.add_argument("--grid", type=positive(int), nargs="+",
+                   help="ranks per shard dim (with one --ranks; default: the fastest grid)")
+    p.add_argument("--profile", default="default",
+                   choices=["default", "tcp", "cpu-cluster", "gpu-cluster"],
+                   help="network and compute: measured here (default: shared memory; tcp) "
+                        "or an entered cluster profile")
+    p.add_argument("--latency", type=positive(float), help="seconds per message (e.g. 2e-6)")
+    p.add_argument("--bandwidth", type=positive(float), help="bytes/s (e.g. 25e9)")
+    p.add_argument("--rate", type=positive(float), help="compute time factor (0.1: 10x faster)")
+    p.add_argument("--cores", type=positive(int), help="cores per node (ranks share them)")
+    p.add_argument("--ranks-per-node", type=positive(int))
+    p.add_argument("--time-budget", type=positive(float), default=60.0,
+                   help="seconds for the compute measurement (default 60)")
+    p.add_argument("--json", metavar="FILE")
+    v = sub.add_parser("validate", help="predicted vs measured: UNet3d, ViT, FNO at 1-4 ranks, "
+                                        "shared memory and TCP")
+    v.add_argument("--ranks", type=positive(int), nargs="+", default=[1, 2, 3, 4])
+    v.add_argument("--transports", nargs="+", default=["default", "tcp"],
+                   choices=["default", "tcp"])
+    v.add_argument("--rounds", type=positive(int), default=2,
+                   help="interleaved launches per configuration (default 2)")
+    v.add_argument("--repeats", type=positive(int), default=5,
+                   help="timed steps per model per launch (default 5)")
+    v.add_argument("--out", default="bench-out/model-validation.json")
+    j = sub.add_parser("project", help="UNet3d strong and weak scaling to 1,024 ranks")
+    j.add_argument("--out", default="bench-out/model-projection.json",
+                   help="JSON; the PNG goes beside it")
+    j.add_argument("--time-budget", type=positive(float), default=120.0)
+    model.set_defaults(run=_model, nprocs=1)
+
+
+def _model(args) -> int:
+    from .measure import PlanError
+    try:
+        from ..comm import init
+        init()
+        if args.model_command == "predict":
+            from .timerun import predict_command
+            return predict_command(args)
+        from . import timereport
+        if args.model_command == "validate":
+            timereport.validate(args.ranks, args.transports, args.rounds, args.repeats,
+                                args.out)
+        else:
+            timereport.project(out=args.out, budget_s=args.time_budget)
+        return 0
+    except PlanError as exc:
+        print(f"domainpar model: {exc}", file=sys.stderr)
+        return 2

@@ -1,0 +1,211 @@
+"""`domainpar model validate` and `domainpar model project`: the time model's
+validation table here (predicted against measured steps at 1 to 4 ranks over
+shared memory and TCP) and its scaling projections to 1,024 ranks, as tables,
+JSON and a PNG."""
+from __future__ import annotations
+
+import json
+import math
+import statistics
+from pathlib import Path
+
+from ..progress import Progress
+from .timemodel import CATEGORIES, PROFILES, limiting, predict, best_grid
+from .timerun import job, machine_here, measure_compute, measured_network, spec, traced
+
+# The validation's models: small enough for 4 ranks on 2 cores in a few minutes.
+VALIDATION_MODELS = (
+    spec("UNet3d", "domainpar.testing.models:UNet3d", {"width": 4, "levels": 3},
+         (1, 2, 32, 32, 32), (2, 3, 4)),
+    spec("ViT", "domainpar.testing.models:ViT2d",
+         {"size": [64, 64], "patch": 4, "dim": 32, "depth": 2}, (1, 1, 64, 64), (2,), "size"),
+    spec("FNO", "domainpar.testing.models:FNO2d", {"width": 8, "modes": 8, "layers": 4},
+         (1, 1, 64, 64), (2, 3)),
+)
+# The projection's UNet3d: traced at 32^3, predicted at 256^3 to 1024^3.
+PROJECTION_MODEL = spec("UNet3d", "domainpar.testing.models:UNet3d",
+                        {"width": 8, "levels": 4}, (1, 2, 32, 32, 32), (2, 3, 4))
+SIDES = (256, 512, 1024)
+WEAK_BLOCK = 128
+MAX_RANKS = 1024
+
+
+def loadavg() -> str:
+    """Local. The 1, 5 and 15 minute load averages (Linux), or "n/a"."""
+    try:
+        return " ".join(Path("/proc/loadavg").read_text().split()[:3])
+    except OSError:
+        return "n/a"
+
+
+def validate(ranks=(1, 2, 3, 4), transports=("default", "tcp"), rounds: int = 2,
+             repeats: int = 5, out: str = "bench-out/model-validation.json") -> dict:
+    """Local (starts MPI jobs). Predicted against measured step times."""
+    models = list(VALIDATION_MODELS)
+    print("tracing one step of each model on 2 ranks ...", flush=True)
+    events = traced(models)
+    networks = {t: measured_network(t) for t in transports}
+    computes = {}
+    for m in models:
+        print(f"measuring {m['name']}'s compute on scaled-down blocks (one process) ...",
+              flush=True)
+        computes[m["name"]] = measure_compute(m)
+    samples = {(m["name"], p, t): [] for m in models for p in ranks for t in transports}
+    loads = []
+    bar = Progress(rounds * len(ranks) * len(transports), "measured runs", every_s=10)
+    for _ in range(rounds):  # interleaved: every configuration once per round
+        for p in ranks:
+            for t in transports:
+                loads.append(loadavg())
+                result = job("steps", p, t, models, repeats)
+                for name, times in result.items():
+                    samples[(name, p, t)] += times
+                bar.update()
+    bar.close()
+    rows = []
+    for m in models:
+        for p in ranks:
+            for t in transports:
+                grid = [p] + [1] * (len(m["dims"]) - 1)
+                pred = predict(events[m["name"]], m["shape"], m["shape"], grid, m["dims"],
+                               computes[m["name"]][0], machine_here(networks[t]))
+                meas = statistics.median(samples[(m["name"], p, t)])
+                rows.append({"model": m["name"], "ranks": p, "transport": t,
+                             "predicted_s": pred["step"], "measured_s": meas,
+                             "error": pred["step"] / meas - 1, "breakdown": pred,
+                             "samples": samples[(m["name"], p, t)]})
+    result = {"models": models, "networks": {t: n.as_dict() for t, n in networks.items()},
+              "compute": {k: {"coef": list(c.coef), "points": pts}
+                          for k, (c, pts) in computes.items()},
+              "loadavg": loads, "rows": rows}
+    print(validation_table(rows))
+    _write(out, result)
+    return result
+
+
+def validation_table(rows) -> str:
+    head = ("model", "ranks", "transport", "predicted", "measured", "error")
+    body = [(r["model"], str(r["ranks"]), "shm" if r["transport"] == "default" else r["transport"],
+             f"{r['predicted_s'] * 1e3:.1f} ms", f"{r['measured_s'] * 1e3:.1f} ms",
+             f"{100 * r['error']:+.0f}%") for r in rows]
+    return _markdown(head, body)
+
+
+def project(profiles=("cpu-cluster", "gpu-cluster"), out: str = "bench-out/model-projection.json",
+            budget_s: float = 120.0) -> dict:
+    """Local (starts one MPI job). Strong and weak scaling of a UNet3d."""
+    m = PROJECTION_MODEL
+    print("tracing one step of the UNet3d on 2 ranks ...", flush=True)
+    events = traced([m])[m["name"]]
+    print("measuring its compute on scaled-down blocks (one process) ...", flush=True)
+    compute, points = measure_compute(m, points=5, budget_s=budget_s)
+    counts = [2 ** k for k in range(int(math.log2(MAX_RANKS)) + 1)]
+    result = {"model": m, "compute_fit": list(compute.coef), "compute_points": points,
+              "profiles": {}, "strong": {}, "weak": {}, "limits": {}}
+    for name in profiles:
+        machine = PROFILES[name]
+        result["profiles"][name] = machine.as_dict()
+        for side in SIDES:
+            shape = (1, 2, side, side, side)
+            rows = [best_grid(events, m["shape"], shape, m["dims"], p, compute, machine)
+                    for p in counts]
+            key = f"{name} {side}^3"
+            result["strong"][key] = rows
+            result["limits"][key] = limiting(rows)
+        rows = []
+        for p in counts:
+            dims = _cubic(p)
+            shape = (1, 2) + tuple(WEAK_BLOCK * d for d in dims)
+            rows.append(predict(events, m["shape"], shape, dims, m["dims"], compute, machine))
+        result["weak"][name] = rows
+    print(projection_text(result))
+    _write(out, result)
+    _plot(result, Path(out).with_suffix(".png"))
+    return result
+
+
+def _cubic(p: int) -> tuple[int, int, int]:
+    """The most cubic split of ``p`` (a power of two) over three axes."""
+    dims = [1, 1, 1]
+    while math.prod(dims) < p:
+        dims[dims.index(min(dims))] *= 2
+    return tuple(sorted(dims, reverse=True))
+
+
+def breakdown_table(rows) -> str:
+    head = ("ranks", "grid", "step") + CATEGORIES
+    body = [(str(r["ranks"]), "x".join(map(str, r["grid"])), _ms(r["step"]),
+             *(_ms(r[k]) for k in CATEGORIES)) for r in rows]
+    return _markdown(head, body)
+
+
+def projection_text(result) -> str:
+    lines = []
+    for key, rows in result["strong"].items():
+        base = rows[0]["step"]
+        lines.append(f"\nstrong scaling, {key} (efficiency = T1 / (P x TP)):")
+        head = ("ranks", "grid", "step", "speed-up", "efficiency", "compute", "halo",
+                "allreduces")
+        body = [(str(r["ranks"]), "x".join(map(str, r["grid"])), _ms(r["step"]),
+                 f"{base / r['step']:.1f}", f"{100 * base / (r['step'] * r['ranks']):.0f}%",
+                 _ms(r["compute"]), _ms(r["halo"]),
+                 _ms(r["gradient allreduce"] + r["small allreduces"])) for r in rows]
+        lines.append(_markdown(head, body))
+        lim = result["limits"][key]
+        lines.append(f"stops scaling (efficiency < 50%) at {lim['ranks']} ranks: {lim['op']}"
+                     if lim["ranks"] else "efficiency stays above 50% to 1,024 ranks")
+    for name, rows in result["weak"].items():
+        base = rows[0]["step"]
+        lines.append(f"\nweak scaling, {name}, {WEAK_BLOCK}^3 cells per rank "
+                     "(efficiency = T1 / TP):")
+        head = ("ranks", "field", "step", "efficiency", "compute", "halo", "allreduces")
+        body = [(str(r["ranks"]), "x".join(str(WEAK_BLOCK * d) for d in r["grid"]),
+                 _ms(r["step"]), f"{100 * base / r['step']:.0f}%", _ms(r["compute"]),
+                 _ms(r["halo"]), _ms(r["gradient allreduce"] + r["small allreduces"]))
+                for r in rows]
+        lines.append(_markdown(head, body))
+    return "\n".join(lines)
+
+
+def _plot(result, path: Path) -> None:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib not installed: no PNG (pip install matplotlib)")
+        return
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.2))
+    for key, rows in result["strong"].items():
+        ax1.loglog([r["ranks"] for r in rows], [r["step"] for r in rows], "o-", ms=3, label=key)
+    ax1.set(xlabel="ranks", ylabel="predicted step (s)", title="strong scaling, UNet3d")
+    for name, rows in result["weak"].items():
+        ax2.semilogx([r["ranks"] for r in rows], [rows[0]["step"] / r["step"] for r in rows],
+                     "o-", ms=3, label=name)
+    ax2.set(xlabel="ranks", ylabel="efficiency T1 / TP", ylim=(0, 1.05),
+            title=f"weak scaling, {WEAK_BLOCK}^3 per rank")
+    for ax in (ax1, ax2):
+        ax.legend(fontsize=7)
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    print(f"wrote {path}")
+
+
+def _ms(s: float) -> str:
+    return f"{s * 1e3:.3g} ms" if s < 1 else f"{s:.3g} s"
+
+
+def _markdown(head, body) -> str:
+    widths = [max(len(r[i]) for r in [head] + body) for i in range(len(head))]
+    lines = ["| " + " | ".join(c.ljust(w) for c, w in zip(head, widths)) + " |",
+             "|" + "|".join("-" * (w + 2) for w in widths) + "|"]
+    lines += ["| " + " | ".join(c.ljust(w) for c, w in zip(r, widths)) + " |" for r in body]
+    return "\n".join(lines)
+
+
+def _write(out: str, result: dict) -> None:
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
+    Path(out).write_text(json.dumps(result, indent=1, default=list))
+    print(f"wrote {out}")

@@ -1,0 +1,165 @@
+"""The time model (`domainpar model`, issue 20 item 3): its communication
+counts against what the ops really exchange, and its arithmetic.
+
+Timings are not asserted (they depend on the machine and its load); the
+counts are: ``comms.traffic`` re-counts every event of a step from its layout
+alone, and must give the bytes and messages that ``comms.record`` read off the
+exchanges' own plans on this rank, on 1 to 4 ranks (the MPI tests), on even,
+uneven, zero-size and periodic layouts and widths wider than a neighbour's
+block. The serial tests check hand-counted cases and the prediction's sums.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from mpi4py import MPI
+
+import domainpar as dp
+from domainpar.plan.comms import Event, Where, record, traffic
+from domainpar.plan.timemodel import (Compute, Machine, Network, category, event_seconds,
+                                      limiting, predict)
+from domainpar.plan.timereport import _cubic
+from domainpar.testing import layout, shard_like
+from domainpar.testing.models import FNO2d, UNet3d
+from tensor_cases import SIZE
+
+F32 = 4
+
+
+def halo_event(shape, shard, lo, hi, wraps=None, sizes=None) -> Event:
+    ndim = len(shape)
+    return Event("halo", "fill", F32, tuple(shape), dict(shard), lo=tuple(lo), hi=tuple(hi),
+                 wraps=tuple(wraps or (False,) * ndim), sizes=dict(sizes or {}))
+
+
+# -- serial: hand-counted ----------------------------------------------------------------------
+def test_halo_counts_one_round_by_hand():
+    e = halo_event((4, 12), {1: 0}, (0, 1), (0, 2))
+    # 3 ranks of 4 columns: the middle one gets 1 + 2 columns of 4 rows from 2 neighbours.
+    assert traffic(e, Where((3,), (1,))) == ((1 + 2) * 4 * F32, 2)
+    assert traffic(e, Where((3,), (0,))) == (2 * 4 * F32, 1)    # no lo neighbour
+    assert traffic(e, Where((3,), (2,))) == (1 * 4 * F32, 1)
+    assert traffic(e, Where((1,), (0,))) == (0, 0)
+
+
+def test_halo_counts_corners_through_the_second_round():
+    e = halo_event((6, 6), {0: 0, 1: 1}, (1, 1), (1, 1))
+    # 3x3 ranks of 2x2: round 0 brings 2 rows of 2; round 1 two columns of 2 + 2 ghosts.
+    assert traffic(e, Where((3, 3), (1, 1))) == ((2 * 2 + 2 * 4) * F32, 4)
+
+
+def test_halo_counts_reach_two_hops_and_wrap():
+    e = halo_event((8,), {0: 0}, (3,), (0,), wraps=(True,))
+    # 4 ranks of 2 cells, periodic: 3 ghosts below come from two ranks.
+    assert traffic(e, Where((4,), (0,))) == (3 * F32, 2)
+    # One periodic rank fills its ghosts from itself: nothing on the network.
+    assert traffic(e, Where((1,), (0,))) == (0, 0)
+
+
+def test_halo_counts_follow_recorded_sizes_and_scale():
+    e = halo_event((1, 10), {1: 0}, (0, 1), (0, 1), sizes={1: [7, 3]})
+    assert traffic(e, Where((2,), (1,))) == (1 * F32, 1)
+    # Scaled 4x, the recorded sizes no longer fit: balanced blocks of 20.
+    assert traffic(e, Where((3,), (1,), (1.0, 4.0))) == (2 * F32, 2)
+
+
+def test_repartition_counts_by_hand():
+    e = Event("repartition", "repartition", F32, (8, 8), {0: 0}, {1: 0})
+    # 4 ranks: a destination block of 8x2 holds 2x2 of its own, the rest from 3 peers.
+    assert traffic(e, Where((4,), (1,))) == ((16 - 4) * F32, 3)
+    assert traffic(e, Where((1,), (0,))) == (0, 0)
+
+
+def test_allreduce_time_and_categories():
+    net = Network("n", 1e-6, 1e9, 5e-6)
+    grads = Event("allreduce", "iallreduce", F32, (1000,), ranks=2, nbytes=4000)
+    stats = Event("allreduce", "allreduce", 8, (4,), ranks=2, nbytes=32)
+    assert category(grads) == "gradient allreduce" and category(stats) == "small allreduces"
+    assert event_seconds(grads, Where((8,), (4,)), net) == pytest.approx(
+        3 * 5e-6 + 2 * 7 / 8 * 4000 / 1e9)
+    assert event_seconds(grads, Where((1,), (0,)), net) == 0.0
+
+
+def test_predict_sums_compute_and_events_and_shares_cores():
+    events = [halo_event((1, 1, 16), {2: 0}, (0, 0, 1), (0, 0, 1)),
+              Event("allreduce", "iallreduce", F32, (10,), ranks=2, nbytes=40)]
+    compute = Compute((0.01, 1e-3), (2,))
+    net = Network("n", 1e-3, 1e6)
+    machine = Machine("m", net, rate=0.5, cores=2)
+    r = predict(events, (1, 1, 16), (1, 1, 16), (4,), (2,), compute, machine)
+    halo = 2 * 1e-3 + 2 * F32 / 1e6
+    allreduce = 2 * 2e-3 + 2 * 3 / 4 * 40 / 1e6
+    compute_s = (0.01 + 1e-3 * 4) * 0.5
+    assert r["block"] == [1, 1, 4]
+    assert r["step"] == pytest.approx(2 * (compute_s + halo + allreduce))  # 4 ranks, 2 cores
+    assert r["halo"] == pytest.approx(2 * halo)
+
+
+def test_limiting_names_the_largest_part_where_efficiency_halves():
+    rows = [{"ranks": p, "step": s, "compute": c, "halo": h, "gradient allreduce": 0.0,
+             "small allreduces": a, "transposes": 0.0, "ring shifts": 0.0, "gathers": 0.0,
+             "fixed": 0.0}
+            for p, s, c, h, a in ((1, 8.0, 8.0, 0, 0), (2, 4.2, 4, 0.1, 0.1),
+                                  (4, 4.5, 2, 0.5, 2.0))]
+    lim = limiting(rows)
+    assert lim["ranks"] == 4 and lim["op"] == "small allreduces"
+
+
+def test_cubic_grids():
+    assert _cubic(1) == (1, 1, 1) and _cubic(8) == (2, 2, 2) and _cubic(32) == (4, 4, 2)
+    assert math.prod(_cubic(1024)) == 1024
+
+
+# -- MPI: the model's counts against the exchanges' own --------------------------------------
+def assert_counts_match(events, grid):
+    """Every event over more than one rank: the model's count is the exchange's."""
+    grid_events = [e for e in events if e.ranks > 1]
+    assert grid_events or SIZE == 1
+    where = Where(tuple(grid.dims), tuple(grid.coords))
+    for e in grid_events:
+        assert traffic(e, where) == (e.nbytes, e.messages), e
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("kind", ["even", "uneven", "zero", "periodic"])
+@pytest.mark.parametrize("grid_ndim", [1, 2, 3])
+def test_halo_counts_match_the_exchange(kind, grid_ndim):
+    shape = (2, 9, 7, 5)
+    grid, shard, sizes = layout(shape, (1, 2, 3), grid_ndim, kind, seed=grid_ndim)
+    dec = dp.Decomposition(shape, grid, shard, sizes=sizes)
+    for width in ({1: 1, 2: (0, 2)}, {1: (4, 3), 2: 1, 3: (2, 0)}):  # 4: past some blocks
+        width = {d: w for d, w in width.items() if d in shard}
+        try:
+            halo = dp.HaloExchange(dec, width)
+        except dp.LayoutError:
+            continue  # wider than the layout allows: refused on every rank
+        a = np.zeros(halo.padded_shape, np.float32)
+        with record() as events:
+            halo.fill(a)
+            halo.accumulate(a)
+        assert [e.name for e in events] == ["fill", "accumulate"]
+        assert_counts_match(events, grid)
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("which", ["unet", "fno"])
+def test_a_training_steps_counts_match_the_ops(which):
+    """Every halo exchange, allreduce, transpose and gather of one step."""
+    torch.manual_seed(0)
+    if which == "unet":
+        model, shape, dims = UNet3d(width=2, levels=2), (1, 2, 8, 7, 6), (2, 3, 4)
+    else:
+        model, shape, dims = FNO2d(width=4, modes=2, layers=2), (1, 1, 12, 10), (2, 3)
+    grid_ndim = min(len(dims), 2)
+    grid, shard, sizes = layout(shape, dims, grid_ndim, "uneven")
+    x = shard_like(torch.randn(shape), grid, shard, sizes)
+    wrapped = dp.DomainParallel(model, grid)
+    with record() as events:
+        wrapped(x).pow(2).mean().backward()
+    kinds = {e.kind for e in events if e.ranks > 1}
+    if SIZE > 1:
+        assert "allreduce" in kinds and ("halo" in kinds or "repartition" in kinds)
+    assert_counts_match(events, grid)
