@@ -6,6 +6,12 @@ names' docstrings (autodoc, numpydoc sections). The op table in ops.md is
 generated from the dispatch table (`domainpar ops --write docs/ops.md`), and
 tests/test_op_table.py keeps it current.
 """
+import sys
+from pathlib import Path
+
+# Document the checkout being built, not whichever domainpar is installed.
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
 project = "domainpar"
 author = "the domainpar developers"
 copyright = "the domainpar developers"
