@@ -12,6 +12,8 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import os
+import socket
 import subprocess
 import sys
 
@@ -36,6 +38,8 @@ def _info(args) -> int:
     comm = init()
     report = capabilities()
     report["torch"] = _torch_report()
+    if args.nodes:
+        return _nodes(comm, report, args.json)
     if comm.Get_rank() == 0:
         if args.json:
             print(json.dumps(report, indent=1))
@@ -43,6 +47,45 @@ def _info(args) -> int:
             width = max(map(len, report))
             for key, value in report.items():
                 print(f"{key:<{width}}  {value}")
+    return 0
+
+
+def _placement(comm) -> dict:
+    """Local. Where this rank runs: host, node-local rank, the cores it may use
+    (its CPU affinity), the GPUs it sees."""
+    from .comm.runtime import local_rank
+    cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+    spans, start = [], None
+    for i, c in enumerate(cpus):  # 0,1,2,5 -> "0-2,5"
+        start = c if start is None else start
+        if i + 1 == len(cpus) or cpus[i + 1] != c + 1:
+            spans.append(f"{start}-{c}" if c > start else f"{c}")
+            start = None
+    return {"rank": comm.Get_rank(), "host": socket.gethostname(), "node_rank": local_rank(),
+            "cpus": ",".join(spans), "gpus": os.environ.get("CUDA_VISIBLE_DEVICES", "all")}
+
+
+def _nodes(comm, report: dict, as_json: bool) -> int:
+    """Collective. Rank 0 prints every node's report (once per distinct report)
+    and every rank's placement."""
+    everything = comm.gather((_placement(comm), report), root=0)
+    if comm.Get_rank() != 0:
+        return 0
+    hosts: dict = {}
+    for place, rep in everything:
+        hosts.setdefault(place["host"], {"report": rep, "ranks": []})["ranks"].append(place)
+    if as_json:
+        print(json.dumps(hosts, indent=1))
+        return 0
+    print(f"{comm.Get_size()} ranks on {len(hosts)} node(s)")
+    for host, h in hosts.items():
+        print(f"\n== node {host}: {len(h['ranks'])} rank(s)")
+        for p in h["ranks"]:
+            print(f"  rank {p['rank']} (node rank {p['node_rank']}): cpus {p['cpus']}, "
+                  f"gpus {p['gpus']}")
+        width = max(map(len, h["report"]))
+        for key, value in h["report"].items():
+            print(f"  {key:<{width}}  {value}")
     return 0
 
 
@@ -68,6 +111,9 @@ def build_parser() -> argparse.ArgumentParser:
     info = sub.add_parser("info", help="MPI library, CUDA-aware MPI, CuPy, torch, h5py, "
                                        "native kernels")
     info.add_argument("--json", action="store_true", help="print the report as JSON")
+    info.add_argument("--nodes", action="store_true",
+                      help="every node's report and every rank's placement (host, node rank, "
+                           "CPU affinity, visible GPUs); run with all of a job's ranks")
     info.set_defaults(run=_info, nprocs=1)
 
     ops = sub.add_parser("ops", help="the table of torch ops that work on DomainTensors",

@@ -136,3 +136,24 @@ def test_failing_rank_fails_the_job(cluster, tmp_path):
                          "-c", script, cwd=ROOT, env=_job_env(cluster))
     record = cluster.wait_job(job, timeout=60)
     assert (record["JobState"], record["ExitCode"]) == ("FAILED", "3:0"), out.read_text()
+
+
+@pytest.mark.skipif(not IN_VENV, reason="needs pytest running in a virtual environment "
+                                        "(the template activates one)")
+def test_info_reports_every_rank_and_node_with_cpu_binding(cluster, tmp_path):
+    """`domainpar info --nodes` through cpu.sbatch with DOMAINPAR_CPU_BIND set:
+    one MPI world of 2 ranks on the one node, each rank's placement line and
+    the node's report once. (This Slurm runs task/none, so the binding is
+    passed to srun and accepted but not enforced: what cores a rank gets is
+    not checked here; on a cluster it is in the placement lines.)"""
+    out = tmp_path / "job.out"
+    job = cluster.submit("--ntasks-per-node=2", "--cpus-per-task=1", f"--output={out}",
+                         str(SLURM / "cpu.sbatch"), "-m", "domainpar.cli", "info", "--nodes",
+                         cwd=ROOT, env=dict(_job_env(cluster), DOMAINPAR_CPU_BIND="cores"))
+    record = cluster.wait_job(job, timeout=60)
+    text = out.read_text() if out.exists() else "(no output file)"
+    assert (record["JobState"], record["ExitCode"]) == ("COMPLETED", "0:0"), text
+    assert "2 ranks on 1 node(s)" in text, text
+    for rank in (0, 1):
+        assert re.search(rf"rank {rank} \(node rank {rank}\): cpus [0-9,-]+, gpus ", text), text
+    assert text.count("world_size") == 1 and re.search(r"world_size\s+2\b", text), text
