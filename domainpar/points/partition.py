@@ -22,7 +22,7 @@ import numpy as np
 import torch
 from mpi4py import MPI
 
-from ..comm.errors import agree
+from ..comm.errors import agree, signature_of
 from ..tensor.domain_tensor import DomainTensor
 from ..tensor.layout import derive
 from .common import global_index, like_rows, point_comm, points_arg
@@ -144,8 +144,8 @@ def _capacity(comm, capacity, size: int) -> np.ndarray:
     if cap.shape != (size,) or not np.all(np.isfinite(cap)) or np.any(cap < 0) or cap.sum() <= 0:
         problem = (f"partition: capacity needs {size} finite non-negative weights (one per rank "
                    f"of the point axis) with a positive sum, got {capacity!r}")
-    agree(comm, problem, signature=hash(cap.tobytes()) & 0x3FFFFFFFFFFFFFFF if problem is None
-          else 0, what="partition capacities", described=list(cap) if problem is None else "")
+    agree(comm, problem, signature=signature_of(cap.tolist()) if problem is None else 0,
+          what="partition capacities", described=cap.tolist() if problem is None else "")
     return cap
 
 

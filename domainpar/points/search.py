@@ -173,7 +173,9 @@ def _search(comm, query, ref, reach: float, k: int, r2):
     cand, gidx = cand[order.to(cand.device)], gidx[order].to(cand.device)
     sel, valid = _nearest(q, cand.detach(), k, r2)
     idx = torch.where(valid, gidx[sel] if len(gidx) else sel, torch.full_like(sel, -1))
-    rows = cand if cand.shape[0] else cand.new_zeros((1, cand.shape[1]))
+    # a row to index when there is no candidate, kept in the graph: every rank's
+    # backward must reach the Push (a collective)
+    rows = cand if cand.shape[0] else torch.cat([cand, cand.new_zeros((1, cand.shape[1]))])
     chosen = rows[sel.reshape(-1)].reshape(tuple(sel.shape) + (cand.shape[1],))
     d2 = ((query.to_local()[:, None, :] - chosen) ** 2).sum(-1)
     pos = d2 > 0
