@@ -172,6 +172,19 @@ def test_bad_figures_and_options_raise_on_every_rank():
                          lambda: balancer.layout(other))
 
 
+def test_adopt_takes_another_partitioners_layout():
+    grid = dp.ProcessGrid((SIZE,))
+    balancer = dp.Balancer(dp.Decomposition((30, 2), grid, {0: 0}), warmup=0)
+    sizes = [0] * (SIZE - 1) + [30]  # every point on the last rank, as a partitioner might
+    balancer.adopt(dp.Decomposition((30, 2), grid, {0: 0}, {0: sizes}))
+    assert balancer.sizes == {0: tuple(sizes)}
+    balancer.step(compute_seconds=injected(balancer))
+    moved = balancer.step(compute_seconds=injected(balancer, 1))
+    assert moved == (SIZE > 1) and min(balancer.sizes[0]) >= 1
+    raises_on_every_rank(dp.LayoutError, "is not a layout of the balanced shape",
+                         lambda: balancer.adopt(dp.Decomposition((31, 2), grid, {0: 0})))
+
+
 @pytest.mark.parametrize("clock_kind", ["wall", "cpu"])
 def test_measured_step_without_injection_runs_and_agrees(clock_kind):
     """The measured path: real timing, so only agreement and sanity are checked."""

@@ -22,8 +22,10 @@ alternately, step by step (``timing.interleaved``: one sample is the slowest
 rank's step). Each rank's compute in a step is its wall time less its time
 blocked in domainpar's communication (``comm.clock``); its throughput is its
 cells over its compute. The ideal step is the total cells over the sum of the
-ranks' throughputs (measured in the balanced steps); the target is a balanced
-step within 15% of it.
+ranks' throughputs (each pooled over both layouts' steps); the target is a balanced
+step within 15% of it. Also reported: the slowest rank's compute over the ideal
+(what balancing controls, communication left out), and each layout's compute
+imbalance (max / mean over ranks), in wall and in CPU time.
 """
 from __future__ import annotations
 
@@ -112,14 +114,24 @@ def _compare(comm, steps: dict, cells: dict, repeats: int, label: str) -> dict:
                           "compute_imbalance": _imbalance([r[1] for r in rows]),
                           "compute_cpu_imbalance": _imbalance([r[3] for r in rows])}
     out["per_rank"] = per_rank
-    rates = [t for t in per_rank["balanced"]["throughput_cells_per_s"] if t]
-    total = sum(per_rank["balanced"]["cells"])
-    ideal = total / sum(rates) if rates else None
+    ideal = _ideal(per_rank)
     med = out["median_step_s"]
     out.update(ideal_step_s=ideal, speedup=med["even"] / med["balanced"],
                balanced_over_ideal=med["balanced"] / ideal if ideal else None,
                even_over_ideal=med["even"] / ideal if ideal else None)
+    for name in steps:  # the slowest rank's compute alone, communication left out
+        worst = max(per_rank[name]["compute_s"])
+        out[f"{name}_compute_over_ideal"] = worst / ideal if ideal else None
     return out
+
+
+def _ideal(per_rank: dict) -> float | None:
+    """Total cells over the sum of the ranks' throughputs, each rank's pooled
+    over both layouts' steps (its cells over its compute, summed)."""
+    even, bal = per_rank["even"], per_rank["balanced"]
+    rates = [(ce + cb) / (te + tb) for ce, cb, te, tb in
+             zip(even["cells"], bal["cells"], even["compute_s"], bal["compute_s"]) if te + tb > 0]
+    return sum(bal["cells"]) / sum(rates) if rates else None
 
 
 def _settle(balancer, steps: int, step_on, relayout=None) -> list:
@@ -226,7 +238,7 @@ def _points_available() -> str | None:
 
 
 def run(cases=("grid", "points"), side: int = 256, channels: int = 16, layers: int = 4,
-        points: int = 100_000, cluster: float = 0.7, passes: int = 12,
+        points: int = 100_000, cluster: float = 0.7, passes: int = 36,
         slow_rank: int | None = None, settle: int = 8, repeats: int = 7,
         clock_kind: str = "wall", out: str = "bench-out/balance.json") -> dict:
     """Collective. Each case: settle the balancer, then time the even and the
@@ -273,6 +285,9 @@ def _print(report: dict) -> None:
               f"{(case['ideal_step_s'] or 0) * 1e3:8.1f} ms   balanced/ideal "
               f"{ratio if ratio is None else round(ratio, 3)} (target <= {TARGET})   "
               f"blocks {sizes['even']} -> {sizes['balanced']}")
+        print(f"          slowest rank's compute / ideal: even "
+              f"{case['even_compute_over_ideal']:.3f}, balanced "
+              f"{case['balanced_compute_over_ideal']:.3f}")
         print(f"          compute max/mean over ranks: even "
               f"{case['per_rank']['even']['compute_imbalance']:.2f} (CPU "
               f"{case['per_rank']['even']['compute_cpu_imbalance']:.2f}), balanced "

@@ -319,9 +319,9 @@ def _add_balance(bench_sub) -> None:
     balance.add_argument("--cluster", type=float, default=0.7,
                          help="points case: fraction of the points in one small ball "
                               "(default 0.7)")
-    balance.add_argument("--passes", type=_count, default=12,
+    balance.add_argument("--passes", type=_count, default=36,
                          help="extra passes of the first layer per step on the slowed rank "
-                              "(default 12)")
+                              "(default 36)")
     balance.add_argument("--slow-rank", type=int, default=None,
                          help="the slowed rank (default: the last)")
     balance.add_argument("--settle", type=positive(int), default=8,
