@@ -97,7 +97,11 @@ MPI_RUN_ENV := OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 \
 # conv on 3-D grids; the 3-D pooling modules; norm modules and interpolate on
 # 3-D grids; ring attention (SDPA cases and RingShift: rings of 8 and 16 blocks,
 # causal, uneven, empty); FFT on 2-D grids; DomainParallel gradient buckets and
-# training on a batch x 2x2 grid (tests/test_large_grids.py).
+# training on a batch x 2x2 grid; from tests/test_large_grids.py also halo
+# fill/accumulate on the explicit grids 2x2x2 (8 ranks), 2x2x4 and 4x4x1 (16),
+# periodic and uneven axes, two-hop widths; FFTs over three sharded dims;
+# repartitions onto dims cut over several axes; a checkpoint and an HDF5
+# field written on a 3-D grid, restarted and read on 3 ranks.
 LARGE_NP ?= 8
 LARGE_TESTS := tests/test_halo.py tests/test_collectives.py tests/test_conv.py \
 	tests/test_pool.py tests/test_norm.py tests/test_resample.py tests/test_attention.py \
@@ -106,7 +110,8 @@ LARGE_K := ((fill_equals or accumulate_is) and (-3- or -4-)) or outer_ghosts_unt
 	or repartition or (conv_matches and (-3-even- or -3-uneven- or -3-zero-)) \
 	or modules_on_3d_grid or (module_matches_one_process and -3d-) \
 	or (interpolate_matches and grid3) or sdpa_matches or ring_shift_adjoint \
-	or (transform_matches and -2d) or domain_parallel_gradients_match or batch_by_2x2
+	or (transform_matches and -2d) or domain_parallel_gradients_match or batch_by_2x2 \
+	or explicit_3d_grids or three_sharded_dims or layouts_of_a_3d_grid or restart_on_3_ranks
 # The per-test timeout is TEST_TIMEOUT's: no selected test took over 1.5 s at
 # 8 or 16 ranks on 2 cores.
 LARGE_RUN = $(PY) tests/run_mpi.py -n $(1) -q $(LARGE_TESTS) -k "$(LARGE_K)"
