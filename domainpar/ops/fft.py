@@ -17,7 +17,7 @@ transposes:
    pending dim that is local (it is moved again later: one more alltoallv, but
    the result stays sharded on a frequency dim); else the largest dim the call
    does not transform (ties: the lowest). A dim is a
-   candidate only if it is not sharded already and has at least as many
+   candidate only if it is not cut already and has at least as many
    elements as the grid axis has ranks, so that no rank is left without work
    (a smaller dim would concentrate the tensor on a few ranks).
 3. Repeat until every dim is transformed.
@@ -59,12 +59,29 @@ fftshift / ifftshift
 the roll rule (``ops.index.roll``), local along unsharded dims and, along a
 sharded dim, two slices cat'ed back onto the input's layout.
 
+No free dim: transform dims over every grid axis
+------------------------------------------------
+When a sharded transform dim's axis has nowhere to go (step 2 finds no dim:
+``rfft2`` of a ``(1, 1, H, W)`` field cut on H and W over a 2x2 grid), the
+transform dims that are cut are first merged onto the lowest of them, cut over
+all their grid axes together (``ProcessGrid.merged``, one alltoallv): H over
+4 ranks, W whole (where that fails too, every cut dim's axes are merged onto
+the largest cut dim the call does not transform: ``rfft`` along H of that field
+cuts W over 4 ranks). The plan then runs on that grid (W, then H with the merged
+axis moved onto W's frequencies), and the result goes back to the input's grid
+and cut dims, balanced (H on axis 0, the frequencies of W on axis 1): one more
+alltoallv, and ``irfft2`` of it takes the same path back. A dim cut on a grid
+axis of one process is whole: it is local, and where no other dim can take a
+moving axis, that axis moves onto it (rfft2 of a ``(1, 1, H, W)`` field on a
+3x1 grid: H's axis goes onto W's frequencies).
+
 Refused (UnsupportedOpError on every rank)
 ------------------------------------------
-- a sharded transform dim whose grid axis no other dim can take (step 2): a
-  1-D tensor, or every other dim sharded already or smaller than the number of
-  ranks on that axis. Add a batch or channel dim, shard another dim, or use
-  fewer ranks on that axis (a distributed four-step 1-D FFT is not provided);
+- a sharded transform dim whose grid axis no other dim can take (step 2) even
+  after merging the cut transform dims: a 1-D tensor, or every other dim
+  sharded already or smaller than the number of ranks on that axis. Add a batch
+  or channel dim, shard another dim, or use fewer ranks on that axis (a
+  distributed four-step 1-D FFT is not provided);
 - ``out=``.
 """
 from __future__ import annotations
@@ -127,16 +144,20 @@ def _target(func, dec: Decomposition, d: int, done, pending) -> int:
     axis = dec.shard[d]
     ranks = dec.grid.dims[axis]
     shape = dec.global_shape
-    free = [t for t in range(dec.ndim) if t != d and t not in dec.shard and shape[t] >= ranks]
-    # A transform dim before any other: the result then comes out sharded on a
-    # frequency dim, where the channel mixing that follows a transform (an FNO's
-    # einsum) stays local; on the channels it would contract a sharded dim.
-    tiers = ([t for t in free if t in done],
-             sorted((t for t in free if t in pending), key=lambda t: (-shape[t], t)),
-             sorted((t for t in free if t not in pending), key=lambda t: (-shape[t], t)))
-    for tier in tiers:
-        if tier:
-            return min(tier) if tier is tiers[0] else tier[0]
+    # Dims on no axis first; a dim on an axis of one process (whole, but it keeps
+    # that axis where it can) only when none is left.
+    for free in ([t for t in range(dec.ndim) if t != d and t not in dec.shard],
+                 [t for t in range(dec.ndim) if t != d and not layout.cut(dec, t)]):
+        free = [t for t in free if shape[t] >= ranks]
+        # A transform dim before any other: the result then comes out sharded on a
+        # frequency dim, where the channel mixing that follows a transform (an FNO's
+        # einsum) stays local; on the channels it would contract a sharded dim.
+        tiers = ([t for t in free if t in done],
+                 sorted((t for t in free if t in pending), key=lambda t: (-shape[t], t)),
+                 sorted((t for t in free if t not in pending), key=lambda t: (-shape[t], t)))
+        for tier in tiers:
+            if tier:
+                return min(tier) if tier is tiers[0] else tier[0]
     raise UnsupportedOpError(
         f"{_FORMS[func][2]} on a DomainTensor of shape {tuple(shape)} sharded on "
         f"{layout.sharded_dims_text(dec)}: transforming dim {d} needs it whole on every rank, "
@@ -234,7 +255,10 @@ def fft(func, args, kwargs):
     fam = _FAMILIES[family]
     dims, lengths, out_lengths = _dims_and_lengths(x, form, a, fam.kind, tuple(probe.shape))
     local, dec = x._local, x._dec
-    for phase in _plan(func, dec, dims, lengths, out_lengths, fam.kind):
+    phases, start = _phases(func, dec, dims, lengths, out_lengths, fam.kind)
+    if start is not None:
+        local, dec = ag.repartition(local, dec, start), start
+    for phase in phases:
         if phase.src is not None:
             local = ag.repartition(local, dec, phase.src)
         call = fam.half if phase.half else fam.full
@@ -246,7 +270,39 @@ def fft(func, args, kwargs):
             like = torch.empty((), dtype=meta.dtype, device=local.device)
             local = window.placeholder(meta.shape, like, local)
         dec = phase.dst
+    if start is not None:  # back to the input's grid and cut dims, balanced
+        xd = x._dec
+        back = layout.derive(xd, dec.global_shape, xd.shard,
+                             {k: xd.block_sizes(k) for k in xd.shard if k not in dims})
+        local, dec = ag.repartition(local, dec, back), back
     return DomainTensor(local, dec)
+
+
+def _phases(func, dec: Decomposition, dims, lengths, out_lengths, kind):
+    """The plan, and None; or, where no dim can take a cut transform dim's grid
+    axis, the plan from a layout ``start`` on a merged grid, and ``start``."""
+    try:
+        return _plan(func, dec, dims, lengths, out_lengths, kind), None
+    except UnsupportedOpError as refusal:
+        for start in _merged_starts(dec, dims):
+            try:
+                return _plan(func, start, dims, lengths, out_lengths, kind), start
+            except UnsupportedOpError:
+                continue
+        raise refusal from None
+
+
+def _merged_starts(dec: Decomposition, dims):
+    """Layouts to start from when the plan finds no free dim (module docstring):
+    the cut transform dims' axes merged onto the first of them; then every cut
+    dim's axes merged onto the largest cut dim the call does not transform."""
+    cut = [d for d in range(dec.ndim) if layout.cut(dec, d)]
+    ours = [d for d in cut if d in dims]
+    if len(ours) > 1:
+        yield layout.merged(dec, ours, ours[0])
+    others = sorted((d for d in cut if d not in dims), key=lambda d: (-dec.global_shape[d], d))
+    if others and ours:
+        yield layout.merged(dec, cut, others[0])
 
 
 # -- fftshift, ifftshift --------------------------------------------------------------------------
