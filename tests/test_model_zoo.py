@@ -119,11 +119,6 @@ LAYOUTS = {
 # repartition (window partition on blocks not a multiple of the window).
 REFUSED = {
     # model         layout                 first refused op       issue 18 item
-    ("UNETR", "2x2 grid"):            ("Tensor.flatten",      1),  # patch grid -> tokens
-    ("SwinUNETR", "2x2 grid"):        ("Tensor.view",         1),  # windows merged to a batch
-    ("FNO 2-D", "2x2 grid"):          ("Tensor.reshape",      1),  # ChannelMLP reshape(B, C, -1)
-    ("FNO 3-D", "2x2 grid"):          ("Tensor.reshape",      1),
-    ("TFNO", "2x2 grid"):             ("Tensor.reshape",      1),
 }
 
 
