@@ -163,3 +163,14 @@ def test_a_training_steps_counts_match_the_ops(which):
     if SIZE > 1:
         assert "allreduce" in kinds and ("halo" in kinds or "repartition" in kinds)
     assert_counts_match(events, grid)
+
+
+def test_a_calls_recorded_time_beyond_the_network_is_its_software_cost():
+    net = Network("n", 1e-5, 1e8)
+    e = halo_event((1, 1, 16), {2: 0}, (0, 0, 1), (0, 0, 1))
+    e.seconds = 0.002
+    traced = Where((2,), (0,))
+    on_trace = 1e-5 + F32 / 1e8               # one message of one cell there
+    here = event_seconds(e, Where((4,), (2,)), net, traced, net)
+    assert here == pytest.approx(2 * 1e-5 + 2 * F32 / 1e8 + 0.002 - on_trace)
+    assert event_seconds(e, Where((1,), (0,)), net, traced, net) == 0.0  # nothing sent

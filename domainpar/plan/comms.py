@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import time
 from dataclasses import asdict, dataclass, field
 from typing import Iterator, Sequence
 
@@ -49,6 +50,7 @@ class Event:
     ranks: int = 1                  # the communicator's size
     nbytes: int = 0                 # this rank's bytes received (or reduced) in the call
     messages: int = 0               # this rank's messages received (self excluded)
+    seconds: float = 0.0            # the call's wall time, as recorded
 
     def as_dict(self) -> dict:
         d = asdict(self)
@@ -72,7 +74,8 @@ class Event:
 @contextlib.contextmanager
 def record() -> Iterator[list[Event]]:
     """Local. Within the block, every halo exchange and collective this process
-    calls is appended to the yielded list (the calls themselves run as usual)."""
+    calls is appended to the yielded list with its wall time (the calls
+    themselves run as usual; a nonblocking one's time is its start's)."""
     from ..comm import collectives
     from ..comm.halo import HaloExchange
     events: list[Event] = []
@@ -80,16 +83,21 @@ def record() -> Iterator[list[Event]]:
              for name in _REDUCE + _MOVE + _RING + _ROOTED}
     saved_halo = HaloExchange.fill, HaloExchange.accumulate
 
+    def timed(event, call):
+        t0 = time.perf_counter()
+        out = call()
+        event.seconds = time.perf_counter() - t0
+        events.append(event)
+        return out
+
     def halo_method(method, adjoint):
         def wrapped(self, a, **kw):
-            events.append(_halo_event(self, a, adjoint))
-            return method(self, a, **kw)
+            return timed(_halo_event(self, a, adjoint), lambda: method(self, a, **kw))
         return wrapped
 
     def collective(name, fn):
         def wrapped(*args, **kw):
-            events.append(_collective_event(name, args))
-            return fn(*args, **kw)
+            return timed(_collective_event(name, args), lambda: fn(*args, **kw))
         return wrapped
 
     HaloExchange.fill = halo_method(saved_halo[0], False)

@@ -50,17 +50,23 @@ def _grid(spec: dict, comm):
     return dp.ProcessGrid((comm.Get_size(),) + (1,) * (len(spec["dims"]) - 1), comm=comm)
 
 
-def trace(specs: list[dict], comm) -> dict:
-    """Collective. Each model's recorded communication of one step (rank 0's)."""
+def trace(specs: list[dict], comm, steps: int = 3) -> dict:
+    """Collective. Each model's recorded communication of one step (rank 0's),
+    each call's time the median of ``steps`` recorded steps."""
     from .comms import record
     out = {}
     for spec in specs:
         grid = _grid(spec, comm)
         model, x, opt = _build(spec, grid)
         _step(model, x, opt)
-        with record() as events:
-            _step(model, x, opt)
-        out[spec["name"]] = {"grid": list(grid.dims), "events": [e.as_dict() for e in events]}
+        runs = []
+        for _ in range(steps):
+            with record() as events:
+                _step(model, x, opt)
+            runs.append(events)
+        for i, e in enumerate(runs[0]):
+            e.seconds = float(np.median([r[i].seconds for r in runs]))
+        out[spec["name"]] = {"grid": list(grid.dims), "events": [e.as_dict() for e in runs[0]]}
     return out
 
 

@@ -106,8 +106,18 @@ def category(e: Event) -> str:
                                                                                  "gathers")
 
 
-def event_seconds(e: Event, where: Where, net: Network) -> float:
-    """Local. One event's time on rank ``where`` over ``net``."""
+def event_seconds(e: Event, where: Where, net: Network, traced: Where | None = None,
+                  traced_net: Network | None = None) -> float:
+    """Local. One event's time on rank ``where`` over ``net``, plus (given the
+    grid it was ``traced`` on and the network it ran over there) its software
+    cost: the recorded time less what the network accounts for there."""
+    own = _network_seconds(e, where, net)
+    if traced is None or traced_net is None or own == 0.0:
+        return own
+    return own + max(0.0, e.seconds - _network_seconds(e, traced, traced_net))
+
+
+def _network_seconds(e: Event, where: Where, net: Network) -> float:
     nbytes, messages = traffic(e, where)
     if e.kind == "allreduce":
         p = where.size
@@ -125,11 +135,14 @@ def busiest(dims: Sequence[int]) -> tuple[int, ...]:
 
 def predict(events: Sequence[Event], trace_shape: Sequence[int], shape: Sequence[int],
             grid_dims: Sequence[int], dims: Sequence[int], compute: Compute,
-            machine: Machine) -> dict:
+            machine: Machine, traced: tuple | None = None) -> dict:
     """Local. The predicted step time of the model whose step ``events`` were
     traced on ``trace_shape``, on a field of ``shape`` over a grid of
     ``grid_dims`` ranks (axis ``i`` splits dim ``dims[i]``): a dict of seconds
-    per category, ``step`` and ``block``."""
+    per category, ``step`` and ``block``. ``traced``: ``(grid dims, network)``
+    of the trace, to add each call's recorded software cost (``event_seconds``)."""
+    trace_where = Where(tuple(traced[0]), (0,) * len(traced[0])) if traced else None
+    trace_net = traced[1] if traced else None
     where = Where(tuple(grid_dims), busiest(grid_dims), scale_of(trace_shape, shape))
     block = list(shape)
     for axis, d in enumerate(dims):
@@ -137,7 +150,7 @@ def predict(events: Sequence[Event], trace_shape: Sequence[int], shape: Sequence
     parts = dict.fromkeys(CATEGORIES, 0.0)
     parts["compute"] = compute.seconds(block) * machine.rate
     for e in events:
-        parts[category(e)] += event_seconds(e, where, machine.network)
+        parts[category(e)] += event_seconds(e, where, machine.network, trace_where, trace_net)
     factor = machine.oversubscription(where.size)
     parts = {k: v * factor for k, v in parts.items()}
     return {**parts, "step": sum(parts.values()), "block": block,
@@ -146,10 +159,10 @@ def predict(events: Sequence[Event], trace_shape: Sequence[int], shape: Sequence
 
 
 def best_grid(events, trace_shape, shape, dims, ranks: int, compute: Compute,
-              machine: Machine) -> dict:
+              machine: Machine, traced: tuple | None = None) -> dict:
     """Local. The prediction of the fastest grid of ``ranks`` ranks over ``dims``."""
     from .grids import grids
-    options = [predict(events, trace_shape, shape, g.ranks, dims, compute, machine)
+    options = [predict(events, trace_shape, shape, g.ranks, dims, compute, machine, traced)
                for g in grids(shape, dims, ranks)]
     if not options:
         raise ValueError(f"no grid of {ranks} ranks over dims {list(dims)} of {list(shape)}")

@@ -11,7 +11,8 @@ from pathlib import Path
 
 from ..progress import Progress
 from .timemodel import CATEGORIES, PROFILES, limiting, predict, best_grid
-from .timerun import job, machine_here, measure_compute, measured_network, spec, traced
+from .timerun import (fit_compute, job, machine_here, measure_compute, measured_network, spec,
+                      traced)
 
 # The validation's models: small enough for 4 ranks on 2 cores in a few minutes.
 VALIDATION_MODELS = (
@@ -45,15 +46,15 @@ def validate(ranks=(1, 2, 3, 4), transports=("default", "tcp"), rounds: int = 2,
     print("tracing one step of each model on 2 ranks ...", flush=True)
     events = traced(models)
     networks = {t: measured_network(t) for t in transports}
-    computes = {}
-    for m in models:
-        print(f"measuring {m['name']}'s compute on scaled-down blocks (one process) ...",
-              flush=True)
-        computes[m["name"]] = measure_compute(m)
     samples = {(m["name"], p, t): [] for m in models for p in ranks for t in transports}
+    points: dict[str, list] = {m["name"]: [] for m in models}
     loads = []
-    bar = Progress(rounds * len(ranks) * len(transports), "measured runs", every_s=10)
+    bar = Progress(rounds * (len(ranks) * len(transports) + 1), "measured runs", every_s=10)
     for _ in range(rounds):  # interleaved: every configuration once per round
+        for m in models:  # compute on scaled-down blocks, in this process
+            blocks = [p["block"] for p in points[m["name"]][:4]] or None
+            points[m["name"]] += measure_compute(m, blocks=blocks)[1]
+        bar.update()
         for p in ranks:
             for t in transports:
                 loads.append(loadavg())
@@ -62,13 +63,16 @@ def validate(ranks=(1, 2, 3, 4), transports=("default", "tcp"), rounds: int = 2,
                     samples[(name, p, t)] += times
                 bar.update()
     bar.close()
+    computes = {name: fit_compute(pts, m["dims"]) for m in models
+                for name, pts in [(m["name"], points[m["name"]])]}
     rows = []
     for m in models:
         for p in ranks:
             for t in transports:
                 grid = [p] + [1] * (len(m["dims"]) - 1)
+                traced_on = ([2] + [1] * (len(m["dims"]) - 1), networks[transports[0]])
                 pred = predict(events[m["name"]], m["shape"], m["shape"], grid, m["dims"],
-                               computes[m["name"]][0], machine_here(networks[t]))
+                               computes[m["name"]][0], machine_here(networks[t]), traced_on)
                 meas = statistics.median(samples[(m["name"], p, t)])
                 rows.append({"model": m["name"], "ranks": p, "transport": t,
                              "predicted_s": pred["step"], "measured_s": meas,
@@ -97,6 +101,7 @@ def project(profiles=("cpu-cluster", "gpu-cluster"), out: str = "bench-out/model
     m = PROJECTION_MODEL
     print("tracing one step of the UNet3d on 2 ranks ...", flush=True)
     events = traced([m])[m["name"]]
+    traced_on = ([2, 1, 1], measured_network("default"))
     print("measuring its compute on scaled-down blocks (one process) ...", flush=True)
     compute, points = measure_compute(m, points=5, budget_s=budget_s)
     counts = [2 ** k for k in range(int(math.log2(MAX_RANKS)) + 1)]
@@ -107,8 +112,8 @@ def project(profiles=("cpu-cluster", "gpu-cluster"), out: str = "bench-out/model
         result["profiles"][name] = machine.as_dict()
         for side in SIDES:
             shape = (1, 2, side, side, side)
-            rows = [best_grid(events, m["shape"], shape, m["dims"], p, compute, machine)
-                    for p in counts]
+            rows = [best_grid(events, m["shape"], shape, m["dims"], p, compute, machine,
+                              traced_on) for p in counts]
             key = f"{name} {side}^3"
             result["strong"][key] = rows
             result["limits"][key] = limiting(rows)
@@ -116,7 +121,8 @@ def project(profiles=("cpu-cluster", "gpu-cluster"), out: str = "bench-out/model
         for p in counts:
             dims = _cubic(p)
             shape = (1, 2) + tuple(WEAK_BLOCK * d for d in dims)
-            rows.append(predict(events, m["shape"], shape, dims, m["dims"], compute, machine))
+            rows.append(predict(events, m["shape"], shape, dims, m["dims"], compute, machine,
+                                traced_on))
         result["weak"][name] = rows
     print(projection_text(result))
     _write(out, result)

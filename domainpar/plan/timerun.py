@@ -84,9 +84,18 @@ def measure_compute(model: dict, points: int = 4, budget_s: float = 60.0,
                                "seconds": _step_seconds(setup, block, grid, repeats)})
     finally:
         torch.set_num_threads(threads)
+    return fit_compute(points_out, dims)
+
+
+def fit_compute(points, dims) -> tuple[Compute, list[dict]]:
+    """Local. The compute fit to measured ``{"block", "seconds"}`` points (the
+    median per block where a block was measured more than once)."""
     from .model import features
-    f = fit([(*features(p["block"], dims), p["seconds"]) for p in points_out])
-    return Compute(f.coef, dims), points_out
+    by_block: dict[tuple, list[float]] = {}
+    for p in points:
+        by_block.setdefault(tuple(p["block"]), []).append(p["seconds"])
+    f = fit([(*features(b, dims), statistics.median(t)) for b, t in by_block.items()])
+    return Compute(f.coef, tuple(dims)), points
 
 
 def _step_seconds(setup: Setup, block, grid, repeats: int) -> float:
@@ -141,12 +150,15 @@ def predict_command(args) -> int:
     events = traced([model])["model"]
     compute, points = measure_compute(model, budget_s=args.time_budget)
     machine = machine_from(args)
+    trace_on = ([2] + [1] * (len(dims) - 1), measured_network("default"))
     rows = []
     for ranks in args.ranks:
         if args.grid and len(args.ranks) == 1:
-            rows.append(predict(events, model["shape"], shape, args.grid, dims, compute, machine))
+            rows.append(predict(events, model["shape"], shape, args.grid, dims, compute, machine,
+                                trace_on))
         else:
-            rows.append(best_grid(events, model["shape"], shape, dims, ranks, compute, machine))
+            rows.append(best_grid(events, model["shape"], shape, dims, ranks, compute, machine,
+                                  trace_on))
     from .timereport import breakdown_table
     print(f"machine {machine.name}: latency {machine.network.latency_s * 1e6:.1f} us, bandwidth "
           f"{machine.network.bandwidth_Bps / 1e9:.2f} GB/s, compute rate x{machine.rate:g}")
