@@ -13,7 +13,7 @@ from domainpar.testing import adjoint_test, assert_matches_single_process, raise
 from domainpar.tensor.domain_tensor import DomainTensor
 from domainpar.tensor.layout import derive
 from test_points_cases import (F64, LAYOUT_IDS, LAYOUTS, cloud, grids, knn_oracle, layout,
-                               radius_oracle, sharded)
+                               radius_oracle, safe_sqrt, sharded)
 
 pytestmark = pytest.mark.mpi
 KINDS = ("uniform", "clustered")
@@ -64,6 +64,12 @@ def test_partition_balances_and_round_trips(case, kind):
     assert torch.equal(part.inverse(moved).full_tensor(), feats.full_tensor())
     adjoint_test(part.apply, feats.detach())
     adjoint_test(part.inverse, moved.detach())
+    other = part.assign(sharded(cloud(29, kind, seed=9), case))  # queries into the regions
+    mine = other.points.to_local()
+    covered = ((mine >= part.regions[:, 0].min(0).values) &
+               (mine <= part.regions[:, 1].max(0).values)).all(1)  # the regions tile this box
+    inside = ((mine >= box[0]) & (mine <= box[1])).all(1)
+    assert sum(other.sizes) == 29 and bool(inside[covered].all())
 
 
 @pytest.mark.parametrize("case", LAYOUTS[:2], ids=LAYOUT_IDS[:2])
@@ -91,9 +97,11 @@ def _searched(case, kind, partitioned):
     refs, queries = cloud(37, kind, seed=1), cloud(19, kind, seed=2)
     ref = sharded(refs, case, requires_grad=True)
     q = sharded(queries, case, requires_grad=True, seed=5)
-    if partitioned:
+    if partitioned:  # queries laid out by the references' regions (small halos)
         part = dp.points.partition(ref)
         ref_in, refs = part.points, part.points.full_tensor().detach()
+        q = part.assign(q).points
+        queries = q.full_tensor().detach()
     else:
         ref_in = ref
     return q, ref_in, queries, refs
@@ -115,9 +123,8 @@ def test_knn_matches_one_process(case, kind, partitioned):
 
 def _knn_dist(a, b, k):
     idx, _ = knn_oracle(a.detach(), b.detach(), k)
-    dd = ((a[:, None, :] - b[idx]) ** 2).sum(-1)
-    from test_points_cases import safe_sqrt
-    return safe_sqrt(dd)
+    diff = a[:, None, :] - b[idx]
+    return safe_sqrt(diff[..., 0] ** 2 + diff[..., 1] ** 2 + diff[..., 2] ** 2)
 
 
 def _check_grads(q, ref, queries, refs, sharded_fn, oracle_fn):

@@ -59,7 +59,11 @@ def sharded(t: torch.Tensor, case, requires_grad=False, seed: int = 0):
 
 
 def d2(q, r):
-    return ((q[:, None, :] - r[None, :, :]) ** 2).sum(-1)
+    """Squared distances, the squares added over the coordinates in order."""
+    out = (q[:, None, 0] - r[None, :, 0]) ** 2
+    for d in range(1, q.shape[1]):
+        out = out + (q[:, None, d] - r[None, :, d]) ** 2
+    return out
 
 
 def safe_sqrt(x):

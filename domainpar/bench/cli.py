@@ -82,6 +82,13 @@ def _bench_balance(args) -> int:
     return 0
 
 
+def _bench_points(args) -> int:
+    from . import points
+    points.run(points=args.points, k=args.k, cluster=args.cluster, kinds=args.kinds,
+               repeats=args.repeats, out=args.out)
+    return 0
+
+
 def _count(text: str) -> int:
     """argparse type: a whole number >= 0."""
     value = int(text)
@@ -288,6 +295,35 @@ def add_parser(subparsers) -> None:
     scaling.set_defaults(run=_bench_scaling, launches_jobs=True)
 
     _add_balance(bench_sub)
+    _add_points(bench_sub)
+
+
+def _add_points(bench_sub) -> None:
+    points = bench_sub.add_parser(
+        "points", help="point clouds: knn, radius search and a set-abstraction step on N "
+                       "ranks against one process; imbalance of clustered data",
+        description="Uniform and clustered float64 clouds in the unit cube, spatially "
+                    "partitioned by dp.points.partition (recursive coordinate bisection). "
+                    "Reports the imbalance (max/mean points per rank) of input-order blocks, "
+                    "equal-volume slabs and the partition; knn, radius_search and a "
+                    "PointNet++-style set-abstraction step (forward and backward) on N ranks "
+                    "against one process, interleaved step by step in one job (speedup), the "
+                    "knn halo size, and the step's live-tensor peak per rank against one "
+                    "process. Timings on a shared machine are rough: the load average is "
+                    "reported. Prints a table; writes JSON.")
+    _add_nprocs(points)
+    points.add_argument("--points", type=positive(int), default=20_000,
+                        help="reference points, and as many queries (default 20000)")
+    points.add_argument("-k", type=positive(int), default=16, help="neighbours (default 16)")
+    points.add_argument("--cluster", type=float, default=0.8,
+                        help="clustered cloud: fraction of the points in one small ball "
+                             "(default 0.8)")
+    points.add_argument("--kinds", nargs="+", choices=["uniform", "clustered"],
+                        default=["uniform", "clustered"], help="clouds (default: both)")
+    points.add_argument("--repeats", type=positive(int), default=3,
+                        help="timed steps per side (default 3)")
+    _add_out(points, "points")
+    points.set_defaults(run=_bench_points)
 
 
 def _add_balance(bench_sub) -> None:

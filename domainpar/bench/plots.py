@@ -336,5 +336,10 @@ def _balance(report: dict, plt):
     return plot(report, plt)
 
 
+def _points(report: dict, plt):
+    from .points import plot  # its module draws it (torch is loaded by then)
+    return plot(report, plt)
+
+
 _PLOTS = {"halo": _halo, "conv": _conv, "grads": _grads, "attention": _attention, "io": _io,
-          "scaling": _scaling, "balance": _balance}
+          "scaling": _scaling, "balance": _balance, "points": _points}

@@ -77,6 +77,18 @@ class Partition:
         self.global_index = DomainTensor(self.route.send(gi)[self._arrival],
                                          like_rows(self.dst, 0, (dec.global_shape[0],)))
 
+    def assign(self, coords: DomainTensor) -> "Partition":
+        """Collective. Another point set (queries, say) laid out by these regions:
+        each point goes to the first rank whose region holds it, or the nearest
+        region for a point outside them all. No balance is sought; a search then
+        finds most neighbours on the rank itself and the halos stay small."""
+        coords = points_arg(coords, "Partition.assign")
+        x = coords.to_local().detach().to("cpu", torch.float64)
+        lo, hi = self.regions[:, 0], self.regions[:, 1]
+        gap = (lo[None] - x[:, None]).clamp(min=0) + (x[:, None] - hi[None]).clamp(min=0)
+        dest = (gap ** 2).sum(-1).argmin(dim=1) if len(x) else torch.zeros(0, dtype=torch.int64)
+        return Partition(coords, dest.numpy().astype(np.int64), self.regions.numpy())
+
     def __call__(self, *tensors):
         out = tuple(self.apply(t) for t in tensors)
         return out[0] if len(out) == 1 else out

@@ -16,8 +16,8 @@ halos larger). Each rank:
    reaches, one routed exchange of coordinates and global indices);
 3. refines: the exact search over its own and the halo's points.
 
-Results equal one process's: distances are ``sqrt(sum((q - p)**2))`` over the
-coordinates, and neighbours are ordered by squared distance, ties broken by the
+Results equal one process's: distances are ``sqrt(sum((q - p)**2))``, the
+squares added over the coordinates in order, and neighbours are ordered by squared distance, ties broken by the
 smaller global index of the reference point. Indices are global (into ``ref``'s
 dim 0); distances are differentiable in both point sets (the gradient of a
 zero distance is zero, as ``torch.cdist``'s), through a ``Push`` of the halo's
@@ -33,7 +33,7 @@ from ..tensor.domain_tensor import DomainTensor
 from .common import global_index, like_rows, offsets, point_comm, points_arg
 from .route import Route, fetch, push
 
-CHUNK = 1024   # queries per distance block (memory: CHUNK x candidates)
+CHUNK = 1024   # queries per distance block (memory: a few CHUNK x candidates)
 _SLACK = 1e-9  # relative margin on the reach: a halo may only be too large
 
 
@@ -139,8 +139,12 @@ def _kth(q, r, k):
 
 
 def _d2(q, c):
-    """Squared distances, one formula everywhere (selection and oracle agree)."""
-    return ((q[:, None, :] - c[None, :, :]) ** 2).sum(-1)
+    """Squared distances (nq, nc): the squared differences summed over the
+    coordinates in order, one formula everywhere (selection and distances agree)."""
+    out = (q[:, None, 0] - c[None, :, 0]) ** 2
+    for d in range(1, q.shape[1]):
+        out = out + (q[:, None, d] - c[None, :, d]) ** 2
+    return out
 
 
 def _halo(comm, q, r_block, reach: float):
@@ -177,7 +181,10 @@ def _search(comm, query, ref, reach: float, k: int, r2):
     # backward must reach the Push (a collective)
     rows = cand if cand.shape[0] else torch.cat([cand, cand.new_zeros((1, cand.shape[1]))])
     chosen = rows[sel.reshape(-1)].reshape(tuple(sel.shape) + (cand.shape[1],))
-    d2 = ((query.to_local()[:, None, :] - chosen) ** 2).sum(-1)
+    diff = query.to_local()[:, None, :] - chosen
+    d2 = diff[..., 0] ** 2
+    for d in range(1, diff.shape[-1]):
+        d2 = d2 + diff[..., d] ** 2
     pos = d2 > 0
     dist = torch.where(pos, torch.where(pos, d2, torch.ones_like(d2)).sqrt(), torch.zeros_like(d2))
     dist = torch.where(valid, dist, torch.full_like(dist, float("inf")))
