@@ -17,6 +17,7 @@ from torch import nn
 import domainpar as dp
 from domainpar.testing import assert_matches_single_process, raises_on_every_rank, shard_like
 from tensor_cases import KINDS, global_tensor, layout
+from test_tensor_faults import Twice  # a custom autograd.Function
 
 pytestmark = [pytest.mark.mpi, pytest.mark.timeout(120)]
 
@@ -174,6 +175,8 @@ def test_plain_uses_give_plain_tensors():
         e = torch.empty(2, 3)
         shape, dtype, numel = e.shape, e.dtype, e.numel()  # metadata decides nothing
         e[:] = 7.0
+        f = Twice.apply(torch.ones(3, dtype=torch.float64))  # a custom Function: plain use
+    assert type(f) is torch.Tensor and torch.equal(f, torch.full((3,), 2.0, dtype=torch.float64))
     assert type(a) is torch.Tensor and torch.equal(a, torch.tensor([[3.0] * 4] + [[2.0] * 4] * 2,
                                                                     dtype=torch.float64))
     (b * torch.tensor([1.0, 2.0], dtype=torch.float64)).sum().backward()

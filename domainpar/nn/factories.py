@@ -147,6 +147,8 @@ class PendingTensor(DomainTensor):
                 self._plain = self._recipe.whole()
         return self._plain
 
+    _stand_in_for = plain  # tensor/functions.py: a custom Function's argument is a plain use
+
     def __repr__(self, *, tensor_contents=None) -> str:  # noqa: D105
         if self._plain is not None:
             return repr(self._plain)

@@ -441,7 +441,10 @@ def _plain_target_text(func, value) -> str:
             f"tensor cannot become sharded in place, and filling it whole would gather the "
             f"whole tensor on every rank. Allocate the buffer from the DomainTensor instead, "
             f"e.g. out = x_ft.new_zeros(shape, dtype=...) (also new_empty, new_ones, "
-            f"new_full, zeros_like): it is then sharded like x_ft and the write stays local")
+            f"new_full, zeros_like): it is then sharded like x_ft and the write stays local. "
+            f"Inside DomainParallel or `with domainpar.sharded_factories():` a buffer made by "
+            f"torch.zeros (and the like) takes its layout from the first DomainTensor written "
+            f"into it, unless it was used as a plain tensor before")
 
 
 def _drop_dims_dec(dec: Decomposition, drop):

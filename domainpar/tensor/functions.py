@@ -61,6 +61,7 @@ def install() -> None:
 
 
 def _apply(cls, *args, **kwargs):
+    args = tuple(_stood_for(a) for a in args)
     if not any(isinstance(a, DomainTensor) for a in args) \
             or torch._C._are_functorch_transforms_active():
         return _ORIGINAL_APPLY(cls, *args, **kwargs)
@@ -77,6 +78,13 @@ def _apply(cls, *args, **kwargs):
     finally:
         _PENDING.reset(token)
     return _rewrap(blocks, outputs["user"])
+
+
+def _stood_for(a):
+    """``a``, or what it stands for when it is a stand-in with no layout yet
+    (``nn/factories.py``'s pending buffer: the plain tensor, a plain use)."""
+    resolve = getattr(a, "_stand_in_for", None) if isinstance(a, DomainTensor) else None
+    return a if resolve is None else resolve()
 
 
 def _block(a):
