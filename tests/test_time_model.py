@@ -167,10 +167,14 @@ def test_a_training_steps_counts_match_the_ops(which):
 
 def test_a_calls_recorded_time_beyond_the_network_is_its_software_cost():
     net = Network("n", 1e-5, 1e8)
-    e = halo_event((1, 1, 16), {2: 0}, (0, 0, 1), (0, 0, 1))
-    e.seconds = 0.002
+    e = Event("repartition", "repartition", F32, (8, 8), {0: 0}, {1: 0}, seconds=0.002)
     traced = Where((2,), (0,))
-    on_trace = 1e-5 + F32 / 1e8               # one message of one cell there
-    here = event_seconds(e, Where((4,), (2,)), net, traced, net)
-    assert here == pytest.approx(2 * 1e-5 + 2 * F32 / 1e8 + 0.002 - on_trace)
+    on_trace = 1e-5 + 4 * 4 * F32 / 1e8       # one peer sends a 4x4 quarter there
+    here = event_seconds(e, Where((4,), (1,)), net, traced, net)
+    assert here == pytest.approx(3 * 1e-5 + 12 * F32 / 1e8 + 0.002 - on_trace)
     assert event_seconds(e, Where((1,), (0,)), net, traced, net) == 0.0  # nothing sent
+    # A halo fill's software cost is in the compute fit already: none added.
+    halo = halo_event((1, 1, 16), {2: 0}, (0, 0, 1), (0, 0, 1))
+    halo.seconds = 0.5
+    assert event_seconds(halo, Where((2,), (0,)), net, traced, net) == pytest.approx(
+        1e-5 + F32 / 1e8)

@@ -31,6 +31,11 @@ from typing import Sequence
 
 from .comms import Event, Where, scale_of, traffic
 
+# Calls whose local work (packing, plans, copies) a one-rank grid never runs, so
+# the compute fit misses it: transposes, gathers and ring shifts. A halo fill
+# and an allreduce run there too (with nothing to send), so their software cost
+# is in the compute already; their recorded times would add only waiting.
+SOFTWARE_KINDS = ("repartition", "rooted", "ring")
 CATEGORIES = ("compute", "halo", "gradient allreduce", "small allreduces", "transposes",
               "ring shifts", "gathers")
 
@@ -108,11 +113,12 @@ def category(e: Event) -> str:
 
 def event_seconds(e: Event, where: Where, net: Network, traced: Where | None = None,
                   traced_net: Network | None = None) -> float:
-    """Local. One event's time on rank ``where`` over ``net``, plus (given the
-    grid it was ``traced`` on and the network it ran over there) its software
-    cost: the recorded time less what the network accounts for there."""
+    """Local. One event's time on rank ``where`` over ``net``, plus, for the
+    kinds in ``SOFTWARE_KINDS`` (given the grid it was ``traced`` on and the
+    network it ran over there), its software cost: the recorded time (the
+    least of the traced steps') less what the network accounts for there."""
     own = _network_seconds(e, where, net)
-    if traced is None or traced_net is None or own == 0.0:
+    if traced is None or traced_net is None or own == 0.0 or e.kind not in SOFTWARE_KINDS:
         return own
     return own + max(0.0, e.seconds - _network_seconds(e, traced, traced_net))
 
