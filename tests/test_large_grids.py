@@ -110,8 +110,7 @@ def test_halo_on_explicit_3d_grids(dims, periodic):
 
 
 # -- FFT over a 3-D grid ---------------------------------------------------------------------
-@pytest.mark.parametrize("kind", ["even", "uneven"])
-@pytest.mark.parametrize("name", ["fftn", "rfftn"])
+@pytest.mark.parametrize("name,kind", [("fftn", "uneven"), ("rfftn", "even")])
 def test_fft_over_three_sharded_dims_of_a_3d_grid(name, kind):
     dims = MPI.Compute_dims(SIZE, 3)
     grid = dp.ProcessGrid(dims)
