@@ -6,14 +6,15 @@ the same grid axis, any layout (after ``partition`` each rank's points are
 compact and the halos small; without it the answers are the same, only the
 halos larger). Each rank:
 
-1. bounds how far its queries must look (its *reach*): for ``radius_search``
-   the radius; for ``knn`` the distance to the k-th nearest of its own
+1. bounds how far each query must look (its *reach*): for ``radius_search``
+   the radius; for ``knn`` the distance to the k-th nearest of the rank's own
    reference points, capped by a bound from the other ranks' bounding boxes
    and counts (the nearest boxes that together hold k points), so a rank with
    few or no reference points still gets a finite reach;
 2. receives the point halo: from every other rank, the reference points
-   within its reach of its queries' bounding box (one allgather of boxes and
-   reaches, one routed exchange of coordinates and global indices);
+   within reach of its queries, judged on a summary (its queries binned into
+   up to 4**D cells, each a box with its largest reach): one allgather of the
+   summaries, one routed exchange of coordinates and global indices;
 3. refines: the exact search over its own and the halo's points.
 
 Results equal one process's: distances are ``sqrt(sum((q - p)**2))``, the
@@ -35,6 +36,7 @@ from .route import Route, fetch, push
 
 CHUNK = 1024   # queries per distance block (memory: a few CHUNK x candidates)
 _SLACK = 1e-9  # relative margin on the reach: a halo may only be too large
+CELLS = 4      # a rank's queries are summarised as up to CELLS**D boxes with their reach
 
 
 def knn(query: DomainTensor, ref: DomainTensor, k: int):
@@ -62,7 +64,7 @@ def radius_search(query: DomainTensor, ref: DomainTensor, r: float, max_neighbor
     r = float(r)
     if not r >= 0:
         raise ValueError(f"radius_search: r must be a non-negative number, got {r!r}")
-    reach = r * r if query.to_local().shape[0] else -1.0
+    reach = np.full(query.to_local().shape[0], r * r * (1 + _SLACK))
     return _search(comm, query, ref, reach, max_neighbors, r * r)
 
 
@@ -110,11 +112,13 @@ def _box(x: torch.Tensor) -> np.ndarray:
     return np.stack([a.min(0).values.numpy(), a.max(0).values.numpy()])
 
 
-def _knn_reach(comm, q, r, ref, k: int) -> float:
-    """Collective. This rank's squared reach for k neighbours (-1 without queries)."""
+def _knn_reach(comm, q, r, ref, k: int) -> np.ndarray:
+    """Collective. Each local query's squared reach for k neighbours: the k-th
+    distance among this rank's points, capped by the box bound (the nearest
+    ranks' boxes that together hold k points, at their farthest)."""
     boxes = comm.allgather((_box(r), r.shape[0]))
     if q.shape[0] == 0:
-        return -1.0
+        return np.zeros(0)
     qbox = _box(q)
     far = []
     for box, n in boxes:
@@ -128,10 +132,11 @@ def _knn_reach(comm, q, r, ref, k: int) -> float:
         if total >= k:
             bound = d2
             break
+    reach = np.full(q.shape[0], bound)
     if r.shape[0] >= k:
-        local = max(float(_kth(q[i:i + CHUNK], r, k).max()) for i in range(0, q.shape[0], CHUNK))
-        bound = min(bound, local)
-    return bound * (1 + _SLACK)
+        local = torch.cat([_kth(q[i:i + CHUNK], r, k) for i in range(0, q.shape[0], CHUNK)])
+        reach = np.minimum(reach, local.to("cpu", torch.float64).numpy())
+    return reach * (1 + _SLACK)
 
 
 def _kth(q, r, k):
@@ -147,19 +152,36 @@ def _d2(q, c):
     return out
 
 
-def _halo(comm, q, r_block, reach: float):
+def _summary(q, reach: np.ndarray, cells: int = CELLS) -> list:
+    """Local. This rank's queries as at most ``cells**D`` boxes, each with the
+    largest squared reach of its queries (a cell grid over their bounding box)."""
+    if q.shape[0] == 0:
+        return []
+    x = q.detach().to("cpu", torch.float64).numpy()
+    lo, hi = x.min(0), x.max(0)
+    cell = np.clip(((x - lo) / np.where(hi > lo, hi - lo, 1) * cells).astype(np.int64),
+                   0, cells - 1)
+    flat = np.ravel_multi_index(cell.T, (cells,) * x.shape[1])
+    return [(x[flat == c].min(0), x[flat == c].max(0), float(reach[flat == c].max()))
+            for c in np.unique(flat)]
+
+
+def _halo(comm, q, r_block, reach: np.ndarray):
     """Collective. The route that sends this rank's reference points to the ranks
-    whose reach covers them (one allgather of boxes and reaches), and the local
-    rows it sends."""
-    stories = comm.allgather((_box(q), reach))
+    whose queries reach them (one allgather of query-cell boxes and reaches), and
+    the local rows it sends."""
+    stories = comm.allgather(_summary(q, reach))
     me = comm.Get_rank()
     dest, items = [], []
     pts = r_block.detach().to("cpu", torch.float64).numpy()
-    for s, (box, s_reach) in enumerate(stories):
-        if s == me or s_reach < 0 or len(pts) == 0:
+    for s, cells in enumerate(stories):
+        if s == me or not cells or len(pts) == 0:
             continue
-        gap = np.maximum(np.maximum(box[0] - pts, pts - box[1]), 0)
-        near = np.nonzero((gap ** 2).sum(1) <= s_reach)[0]
+        hit = np.zeros(len(pts), bool)
+        for lo, hi, r2 in cells:
+            gap = np.maximum(np.maximum(lo - pts, pts - hi), 0)
+            hit |= (gap ** 2).sum(1) <= r2
+        near = np.nonzero(hit)[0]
         items.append(torch.as_tensor(near, dtype=torch.int64))
         dest.append(torch.full((len(near),), s, dtype=torch.int64))
     items = torch.cat(items) if items else torch.zeros(0, dtype=torch.int64)
@@ -167,7 +189,7 @@ def _halo(comm, q, r_block, reach: float):
     return Route(comm, dest, torch.zeros_like(dest)), items
 
 
-def _search(comm, query, ref, reach: float, k: int, r2):
+def _search(comm, query, ref, reach: np.ndarray, k: int, r2):
     """Collective. The halo, then the exact search over own and halo points."""
     q, r_block, rdec = query.to_local().detach(), ref.to_local(), ref.decomposition
     route, items = _halo(comm, q, r_block, reach)
