@@ -119,10 +119,10 @@ def test_sizes_follow_throughputs_and_every_rank_agrees():
     check_on_every_rank(agreed((balancer.sizes, balancer.history)), "history differs")
 
 
-def moves(threshold, smoothing, steps=40, noise=0.03):
+def moves(threshold, smoothing, steps=40, noise=0.03, noise_margin=3.0):
     grid = dp.ProcessGrid((SIZE,))
     balancer = dp.Balancer(dp.Decomposition((60, 4), grid, {0: 0}), threshold=threshold,
-                           smoothing=smoothing)
+                           smoothing=smoothing, noise_margin=noise_margin)
     seen = [balancer.sizes]
     for i in range(steps):
         if balancer.step(compute_seconds=injected(balancer, i, noise)):
@@ -133,7 +133,8 @@ def moves(threshold, smoothing, steps=40, noise=0.03):
 
 def test_hysteresis_stops_oscillation_under_noise():
     """+-3% noise: with the default threshold (5%) the layout moves once (or
-    twice) and stays; with no threshold and no smoothing it keeps moving."""
+    twice) and stays; with no threshold, no noise margin and no smoothing it
+    keeps moving."""
     steady = moves(threshold=0.05, smoothing=0.5)
     if SIZE == 1:
         assert len(steady) == 1
@@ -142,8 +143,28 @@ def test_hysteresis_stops_oscillation_under_noise():
     final = np.array(steady[-1][0]) / 60
     want = np.array([speed(r) for r in range(SIZE)])
     assert np.abs(final - want / want.sum()).max() < 0.05
-    jumpy = moves(threshold=0.0, smoothing=1.0)
+    jumpy = moves(threshold=0.0, smoothing=1.0, noise_margin=0.0)
     assert len(jumpy) > len(steady) + 3, jumpy
+
+
+def test_noise_margin_keeps_jitter_from_moving_blocks():
+    """Equal ranks measured with +-30% jitter: the margin grows past the
+    threshold and the blocks stay; the same jitter on unequal ranks still moves
+    them once, towards the true speeds."""
+    grid = dp.ProcessGrid((SIZE,))
+    for unequal in (False, True):
+        balancer = dp.Balancer(dp.Decomposition((60, 4), grid, {0: 0}))
+        for i in range(30):
+            cells = np.prod(balancer.decomposition.local_shape())
+            jitter = np.random.default_rng(1000 * i + RANK).uniform(-0.3, 0.3)
+            rate = speed(RANK) if unequal else 1.0
+            balancer.step(compute_seconds=float(cells / rate * (1 + jitter)))
+        moves = sum(h["moved"] for h in balancer.history)
+        check_on_every_rank(agreed(balancer.history), "histories differ")
+        if SIZE == 1:
+            continue
+        assert balancer.margin() > 0.1
+        assert moves == (1 if unequal else 0), balancer.history
 
 
 def test_every_and_warmup_delay_the_first_move():
@@ -167,6 +188,8 @@ def test_bad_figures_and_options_raise_on_every_rank():
                          lambda: dp.Balancer(dec, dims=[1]))
     raises_on_every_rank(dp.LayoutError, "clock must be 'wall' or 'cpu'",
                          lambda: dp.Balancer(dec, clock="gpu"))
+    raises_on_every_rank(dp.LayoutError, "noise_margin must be a number >= 0",
+                         lambda: dp.Balancer(dec, noise_margin=-1 if RANK == 0 else 3))
     other = shard_like(torch.zeros(9, 3), grid, {0: 0})
     raises_on_every_rank(dp.LayoutError, "does not match the balanced layout",
                          lambda: balancer.layout(other))

@@ -27,6 +27,9 @@ from ..tensor import DomainTensor
 from . import sizes as plan
 
 
+_WINDOW = 8  # raw measurements per rank kept for the noise margin
+
+
 class Balancer:
     """Collective (a consistency check). Dynamic load balancing of the blocks of
     ``decomposition`` (the data's reference layout) along its sharded dims, or
@@ -43,7 +46,8 @@ class Balancer:
     dims : sequence of int, optional
         The sharded dims to balance; all of them by default.
     threshold : float, default 0.05
-        The least predicted saving of step time that moves the layout (5%).
+        The least predicted saving of step time that moves the layout (5%);
+        more when the measurements are noisier (``margin()``).
     smoothing : float, default 0.5
         The weight of a new measurement in the moving average (1: only the
         newest counts).
@@ -61,18 +65,24 @@ class Balancer:
         its core runs slower and gets less) or the process's CPU time (the
         per-cell cost alone: steady where other load blurs the wall clock,
         blind to a rank's share of its core).
+    noise_margin : float, default 3
+        Also require a saving of this many standard deviations of the
+        noisiest rank's smoothed measurement (from its last 8 measurements;
+        ``margin()``); 0 leaves ``threshold`` alone.
     """
 
     def __init__(self, decomposition: Decomposition, *, dims: Sequence[int] | None = None,
                  threshold: float = 0.05, smoothing: float = 0.5, every: int = 1,
                  warmup: int = 1, min_size: int = 1, unit: Mapping[int, int] | None = None,
-                 clock: str = "wall"):
+                 clock: str = "wall", noise_margin: float = 3.0):
         dec = decomposition
         self.grid, self._comm = dec.grid, dec.grid.comm
         problem = _check_options(dec, dims, threshold, smoothing, every, warmup, min_size, unit,
-                                 clock)
+                                 clock) or _check_margin(noise_margin)
         agree(self._comm, problem, what="Balancer options",
-              described=(dims, threshold, smoothing, every, warmup, min_size, unit, clock))
+              described=(dims, threshold, smoothing, every, warmup, min_size, unit, clock,
+                        noise_margin))
+        self.noise_margin = float(noise_margin)
         self._cpu = clock == "cpu"
         self.dims = tuple(sorted(d % len(dec.global_shape) for d in dims)) if dims is not None \
             else tuple(dec.shard)
@@ -81,6 +91,8 @@ class Balancer:
         self.decomposition = dec
         self._coords = [self.grid.coords_of(r) for r in range(self._comm.Get_size())]
         self._cost = np.full(self._comm.Get_size(), np.nan)  # smoothed seconds per cell
+        self._recent = np.full((self._comm.Get_size(), _WINDOW), np.nan)  # raw, for the noise
+        self._samples = np.zeros(self._comm.Get_size(), dtype=np.int64)
         self._steps, self._skip = 0, warmup
         self.history: list[dict] = []
         self.start()
@@ -228,28 +240,48 @@ class Balancer:
         return np.where(v[size:2 * size] > 0, v[:size], np.nan)
 
     def _smooth(self, costs: np.ndarray) -> None:
-        """Local. The moving average of the seconds per cell, rank by rank."""
+        """Local. The moving average of the seconds per cell, rank by rank, and
+        the last ``_WINDOW`` raw measurements (for ``margin``)."""
         fresh = ~np.isnan(costs)
         old = self._cost
         mixed = np.where(np.isnan(old), costs, (1 - self.smoothing) * old + self.smoothing * costs)
         self._cost = np.where(fresh, mixed, old)
+        for r in np.flatnonzero(fresh):
+            self._recent[r, self._samples[r] % _WINDOW] = costs[r]
+        self._samples += fresh
+
+    def margin(self) -> float:
+        """Local (alike on every rank). The least predicted saving that moves the
+        layout: ``threshold``, or ``noise_margin`` standard deviations of the
+        smoothed estimate of the noisiest rank when that is more (from the relative
+        spread of its last measurements), so that a crowded machine's jitter
+        does not move blocks about."""
+        spreads = [np.std(v, ddof=1) / np.mean(v) for v in
+                   (row[~np.isnan(row)] for row in self._recent) if len(v) > 1]
+        if not spreads:
+            return self.threshold
+        smoothed = max(spreads) * np.sqrt(self.smoothing / (2 - self.smoothing))
+        return max(self.threshold, self.noise_margin * float(smoothed))
 
     def _consider(self) -> bool:
         """Collective when it moves (the new Decomposition's agreement check).
-        Move to the proposed sizes when they save more than the threshold."""
+        Move to the proposed sizes when they save more than ``margin()``; not
+        before every measured rank has two measurements."""
         throughput = self.throughput_estimate()
-        if throughput is None:
+        seen = self._samples[self._samples > 0]
+        if throughput is None or seen.min() < 2:  # no spread from one sample
             return False
         ref = self.decomposition
         current = {d: ref.block_sizes(d) for d in ref.shard}
         proposal = plan.balanced_plan(ref.global_shape, ref.shard, self.grid.dims, self._coords,
                                       throughput, self.dims, self.min_size, self.unit)
         saving = float(plan.gain(current, proposal, ref.shard, self._coords, throughput))
-        moved = bool(saving > self.threshold) and any(proposal[d] != current[d] for d in proposal)
+        needed = self.margin()
+        moved = bool(saving > needed) and any(proposal[d] != current[d] for d in proposal)
         self.history.append({"step": self._steps, "throughput": throughput.tolist(),
                              "sizes": {d: list(s) for d, s in current.items()},
                              "proposed": {d: list(s) for d, s in proposal.items()},
-                             "predicted_saving": saving, "moved": moved})
+                             "predicted_saving": saving, "needed": needed, "moved": moved})
         if moved:
             self.decomposition = Decomposition(ref.global_shape, self.grid, ref.shard,
                                                {**current, **proposal})
@@ -293,6 +325,14 @@ class Balancer:
         per-rank capacities of a partition that is not a block layout (points)."""
         throughput = self.throughput_estimate()
         return None if throughput is None else throughput / throughput.sum()
+
+
+def _check_margin(noise_margin) -> str | None:
+    """Local. What is wrong with ``noise_margin``, or None."""
+    if isinstance(noise_margin, bool) or not isinstance(noise_margin, (int, float)) \
+            or not noise_margin >= 0:
+        return f"Balancer: noise_margin must be a number >= 0, got {noise_margin!r}"
+    return None
 
 
 def _check_options(dec, dims, threshold, smoothing, every, warmup, min_size, unit,

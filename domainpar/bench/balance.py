@@ -78,7 +78,7 @@ def _trainer(model, grid, delay):
 
 
 def _timed(step, log: list):
-    """``step`` recording its compute and blocked seconds, wall and CPU, per call."""
+    """Local. ``step`` recording its compute and blocked seconds, wall and CPU, per call."""
     def go():
         t0, b0 = time.perf_counter(), clock.blocked_seconds()
         c0, k0 = time.process_time(), clock.blocked_seconds(cpu=True)
@@ -90,7 +90,7 @@ def _timed(step, log: list):
 
 
 def _imbalance(values) -> float:
-    """max / mean: 1 is perfect balance."""
+    """Local. max / mean: 1 is perfect balance."""
     return float(max(values) / np.mean(values)) if np.mean(values) > 0 else float("nan")
 
 
@@ -126,7 +126,7 @@ def _compare(comm, steps: dict, cells: dict, repeats: int, label: str) -> dict:
 
 
 def _ideal(per_rank: dict) -> float | None:
-    """Total cells over the sum of the ranks' throughputs, each rank's pooled
+    """Local. Total cells over the sum of the ranks' throughputs, each rank's pooled
     over both layouts' steps (its cells over its compute, summed)."""
     even, bal = per_rank["even"], per_rank["balanced"]
     rates = [(ce + cb) / (te + tb) for ce, cb, te, tb in
@@ -229,7 +229,7 @@ def _grid_cut_imbalance(xyz: torch.Tensor, parts: int) -> float:
 
 
 def _points_available() -> str | None:
-    """Why the points case cannot run here, or None."""
+    """Local. Why the points case cannot run here, or None."""
     try:
         from domainpar import points  # noqa: F401
     except ImportError as exc:
@@ -276,6 +276,7 @@ def run(cases=("grid", "points"), side: int = 256, channels: int = 16, layers: i
 
 
 def _print(report: dict) -> None:
+    """Local (rank 0). The table on stdout."""
     for name, case in report["cases"].items():
         med = case["median_step_s"]
         ratio = case["balanced_over_ideal"]
@@ -300,7 +301,7 @@ def _print(report: dict) -> None:
 
 
 def plot(report: dict, plt):
-    """The PNG: per case, the even and balanced step (median and samples) beside
+    """Local (rank 0). The PNG: per case, the even and balanced step (median and samples) beside
     the ideal; and each rank's compute and blocked time per layout."""
     cases = list(report["cases"])
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.8))

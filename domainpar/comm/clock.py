@@ -40,7 +40,7 @@ def blocking_calls() -> int:
 
 
 def blocking(fn):
-    """Decorator: count ``fn``'s wall time into ``blocked_seconds``."""
+    """Local. Decorator: count ``fn``'s wall and CPU time into ``blocked_seconds``."""
     @functools.wraps(fn)
     def timed(*args, **kwargs):
         depth = getattr(_local, "depth", 0)
