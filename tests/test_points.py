@@ -222,8 +222,8 @@ def test_scatters_match_one_process(case):
     run(lambda a, i, s: torch.scatter_add(a, 0, i, s), ie, src)
     for reduce in ("sum", "mean", "amax", "amin", "prod"):
         for include_self in (True, False):
-            run(lambda a, i, s: a.scatter_reduce(0, i, s, reduce, include_self=include_self),
-                ie, src)
+            run(lambda a, i, s, r=reduce, inc=include_self: a.scatter_reduce(
+                0, i, s, r, include_self=inc), ie, src)
     run(lambda a, i, s: (a * 1).index_add_(0, i, s), i1, src)
     run(lambda a, i, s: (a * 1).scatter_add_(0, i, s), ie, src)
     c = torch.randn(5, 3, dtype=F64, generator=torch.Generator().manual_seed(7)).requires_grad_()

@@ -121,7 +121,8 @@ MODEL_IDS = [LAYOUT_IDS[i] for i in (0, 3, 5, 7)]
 
 @pytest.mark.parametrize("case", MODEL_LAYOUTS, ids=MODEL_IDS)
 def test_pointnet2_set_abstraction_trains_like_one_process(case):
-    pos, feat = cloud(48, 1), torch.randn(48, 2, dtype=F64, generator=torch.Generator().manual_seed(2))
+    pos = cloud(48, 1)
+    feat = torch.randn(48, 2, dtype=F64, generator=torch.Generator().manual_seed(2))
     c1, c2 = pos[::3].clone(), pos[::3][::4].clone()
     target = torch.tensor([0.3, -0.2, 0.5], dtype=F64)
     want = _reference(_make(PointNet2), lambda m: F.mse_loss(m(pos, feat, c1, c2), target))
@@ -136,7 +137,8 @@ def test_pointnet2_set_abstraction_trains_like_one_process(case):
 
 @pytest.mark.parametrize("case", MODEL_LAYOUTS, ids=MODEL_IDS)
 def test_transolver_physics_attention_trains_like_one_process(case):
-    pos, feat = cloud(40, 5), torch.randn(40, 2, dtype=F64, generator=torch.Generator().manual_seed(6))
+    pos = cloud(40, 5)
+    feat = torch.randn(40, 2, dtype=F64, generator=torch.Generator().manual_seed(6))
     target = torch.sin(3 * pos[:, :1]) + feat[:, 1:]
     want = _reference(_make(PhysicsAttention), lambda m: F.mse_loss(m(pos, feat), target))
     part = dp.points.partition(sharded(pos, case), capacity=None)

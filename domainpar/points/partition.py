@@ -77,7 +77,7 @@ class Partition:
         self.global_index = DomainTensor(self.route.send(gi)[self._arrival],
                                          like_rows(self.dst, 0, (dec.global_shape[0],)))
 
-    def assign(self, coords: DomainTensor) -> "Partition":
+    def assign(self, coords: DomainTensor) -> Partition:
         """Collective. Another point set (queries, say) laid out by these regions:
         each point goes to the first rank whose region holds it, or the nearest
         region for a point outside them all. No balance is sought; a search then

@@ -176,7 +176,8 @@ def gather(func, args, kwargs):
         if dec.shard:  # only the unsharded dims may differ in size from the index
             raise UnsupportedOpError(f"{op_name(func)} along unsharded dim {dim} of a DomainTensor "
                                      f"sharded on {layout.sharded_dims_text(dec)} is not supported")
-        return DomainTensor(torch.gather(x.to_local(), dim, index), layout.derive(dec, index.shape, {}))
+        return DomainTensor(torch.gather(x.to_local(), dim, index),
+                            layout.derive(dec, index.shape, {}))
     point_axis(dec, dim, op_name(func))
     idx, sizes = _requests(func, index, dec, dim, dim)
     comm = point_comm(dec, dim)

@@ -18,8 +18,9 @@ halos larger). Each rank:
 3. refines: the exact search over its own and the halo's points.
 
 Results equal one process's: distances are ``sqrt(sum((q - p)**2))``, the
-squares added over the coordinates in order, and neighbours are ordered by squared distance, ties broken by the
-smaller global index of the reference point. Indices are global (into ``ref``'s
+squares added over the coordinates in order, and neighbours are ordered by
+squared distance, ties broken by the smaller global index of the reference
+point. Indices are global (into ``ref``'s
 dim 0); distances are differentiable in both point sets (the gradient of a
 zero distance is zero, as ``torch.cdist``'s), through a ``Push`` of the halo's
 coordinates whose adjoint returns their gradients to the owners.
