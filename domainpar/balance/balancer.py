@@ -7,8 +7,9 @@ allreduce gives every rank every rank's measurement; each rank then smooths
 them the same way (an exponential moving average of the seconds per cell) and
 computes the same new sizes from the same numbers, so they agree without a
 decision message (the new Decomposition's construction checks it). The layout
-moves only when the predicted step time drops by more than ``threshold``
-(hysteresis: noisy measurements do not make it oscillate). The data follow
+moves only when the predicted step time drops by more than ``threshold`` and
+by more than the measurements' own noise allows (``margin``: hysteresis, so
+noisy measurements do not make it oscillate). The data follow
 with ``layout(x)`` (a repartition); the model's parameters are replicated and
 are not touched.
 """
@@ -189,8 +190,8 @@ class Balancer:
     def step(self, compute_seconds: float | None = None) -> bool:
         """Collective (one allreduce over the grid, and a layout check when it
         moves). End the span begun by the last ``step()``: measure every rank,
-        agree, and choose new sizes when the predicted saving exceeds the
-        threshold.
+        agree, and choose new sizes when the predicted saving exceeds
+        ``margin()``.
 
         Parameters
         ----------
