@@ -178,3 +178,30 @@ def test_a_calls_recorded_time_beyond_the_network_is_its_software_cost():
     halo.seconds = 0.5
     assert event_seconds(halo, Where((2,), (0,)), net, traced, net) == pytest.approx(
         1e-5 + F32 / 1e8)
+
+
+def test_model_predict_command_end_to_end(tmp_path):
+    """`domainpar model predict` on a tiny UNet3d: a 2-rank trace, the compute
+    fit, a cluster profile; the rows' layouts and which parts are nonzero (no
+    timing is asserted)."""
+    import json
+    import subprocess
+    import sys
+
+    from domainpar.launch import mpiexec_env
+    out = tmp_path / "predict.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "domainpar.cli", "model", "predict",
+         "domainpar.testing.models:UNet3d", "--kwargs", '{"width": 2, "levels": 2}',
+         "--shape", "1", "2", "8", "8", "8", "--ranks", "1", "2", "8",
+         "--profile", "cpu-cluster", "--time-budget", "1", "--json", str(out)],
+        env=mpiexec_env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["ranks"] for r in rows] == [1, 2, 8]
+    assert rows[0]["halo"] == 0 and rows[0]["gradient allreduce"] == 0
+    grid = rows[2]["grid"]
+    assert math.prod(grid) == 8
+    assert rows[2]["block"] == [1, 2] + [-(-8 // p) for p in grid]
+    assert rows[2]["halo"] > 0 and rows[2]["small allreduces"] > 0
+    assert "| ranks | grid" in proc.stdout
