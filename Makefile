@@ -47,7 +47,7 @@ APT_PACKAGES := openmpi-bin libopenmpi-dev gfortran libhdf5-openmpi-dev cmake sl
 # Keep in sync with the `test` extra in pyproject.toml. Installed explicitly
 # because the package itself is installed with --no-deps (see the pkg stamp).
 TEST_REQUIREMENTS := pytest pytest-mpi pytest-timeout hypothesis opt-einsum tensorly einops \
-	monai requests
+	monai requests expecttest
 # Test requirements installed with --no-deps, after the others: neuraloperator's
 # declared dependencies pull wandb (with some 30 packages), zencfg and configmypy,
 # which its models never import; what they do import is in TEST_REQUIREMENTS.

@@ -44,17 +44,19 @@ def arithmetic(x):
 
 
 class Affine(nn.Module):
-    """A (C, 1, 1) scale and bias: sliced along C when C is sharded, broadcast along
-    H and W, so their gradients are summed over the ranks."""
+    """A (C, 1, 1) scale and bias and a PReLU's (C,) weight: sliced along C when C is
+    sharded, broadcast along H and W, so their gradients are summed over the ranks."""
 
     def __init__(self, dtype):
         super().__init__()
         self.scale = nn.Parameter(global_tensor((SHAPE[1], 1, 1), dtype, seed=3))
         self.bias = nn.Parameter(global_tensor((SHAPE[1], 1, 1), dtype, seed=4))
         self.mask_scale = nn.Parameter(global_tensor((1, 1) + SHAPE[2:], dtype, seed=5))
+        self.prelu = nn.PReLU(SHAPE[1], dtype=dtype)  # a per-channel weight, cut when C is
 
     def forward(self, x):
-        return torch.tanh(x * self.scale + self.bias) * self.mask_scale + self.bias ** 2
+        y = torch.tanh(x * self.scale + self.bias) * self.mask_scale + self.bias ** 2
+        return self.prelu(y - 0.5)
 
 
 ACTIVATIONS = {

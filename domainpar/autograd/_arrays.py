@@ -18,6 +18,8 @@ def to_array(t: torch.Tensor):
     # A lazy conjugate or negation (x.conj(), x.imag of one) is a bit on the tensor
     # that DLPack and numpy cannot carry: materialise it.
     t = t.detach().resolve_conj().resolve_neg()
+    if t._is_zerotensor():  # autograd's storage-less zeros (sgn's gradient of a real input)
+        t = torch.zeros(t.shape, dtype=t.dtype, device=t.device)
     if not t.is_contiguous():
         t = t.contiguous()
     if t.dtype == torch.bool:  # DLPack has bool, but numpy's from_dlpack may not

@@ -16,7 +16,9 @@ cell ``j - lo`` mapped into the domain:
 The edge ranks take the cells they need by a halo fill (which reaches past
 neighbours whose blocks are narrower than the padding) and pick them with an
 index_select, whose backward adds each padded cell's gradient into its source.
-Negative widths (cropping) along a sharded dim are refused: slice instead.
+Negative widths (cropping) along a sharded dim are refused in constant and
+circular mode (circular wraps the cropped tensor, so its sources would move):
+slice instead. Reflect and replicate take them (the cropped end reads no source).
 """
 from __future__ import annotations
 
@@ -79,12 +81,13 @@ def pad(func, args, kwargs):
     pads = _pads_by_dim(a["pad"], x.ndim)
     sharded = {d: p for d, p in pads.items() if d in dec.shard and p != (0, 0)}
     local = x._local
+    for d, (lo, hi) in sharded.items():
+        if (lo < 0 or hi < 0) and mode in ("constant", "circular"):
+            raise UnsupportedOpError(
+                f"{op_name(func)}: negative padding {pads[d]} (cropping) of dim {d} in "
+                f"{mode} mode, sharded on {layout.sharded_dims_text(dec)}; slice the tensor "
+                f"instead")
     if mode == "constant":
-        for d, (lo, hi) in sharded.items():
-            if lo < 0 or hi < 0:
-                raise UnsupportedOpError(
-                    f"{op_name(func)}: negative padding {pads[d]} (cropping) of dim {d}, "
-                    f"sharded on {layout.sharded_dims_text(dec)}; slice the tensor instead")
         c = {d: window.coordinate(dec, d) for d in sharded}
         last = {d: dec.grid.dims[dec.shard[d]] - 1 for d in sharded}
         local_pads = {d: p for d, p in pads.items() if d not in sharded}

@@ -127,12 +127,15 @@ def complex_view(func, args, kwargs):
 
 @register(F.prelu)
 def prelu(func, args, kwargs):
-    """prelu's weight applies along dim 1, not by broadcasting from the right."""
+    """prelu's weight applies along the channel dim (1; 0 for a 1-D input), not by
+    broadcasting from the right; a per-channel weight is cut to a sharded channel dim."""
     x, weight = (list(args) + [kwargs.get("weight")])[:2]
     if not isinstance(x, DomainTensor) or isinstance(weight, DomainTensor):
         raise UnsupportedOpError(f"{op_name(func)}: needs a DomainTensor input and a plain weight")
     from ..tensor.params import enter_domain
-    w = enter_domain(weight, x._dec, {})
+    channel = 1 if x.dim() >= 2 else 0
+    per_channel = weight.numel() > 1 and channel in x._dec.shard
+    w = enter_domain(weight, x._dec, {0: channel} if per_channel else {})
     return DomainTensor(F.prelu(x._local, w), x._dec)
 
 
