@@ -348,8 +348,8 @@ def repartition(block, src: Decomposition, dst: Decomposition):
     arr = _as_array_or_error(block)
     problem = plan = None
     if src.grid.root is not dst.grid.root:
-        problem = ("repartition: source and destination decompositions are on grids of "
-                   "different processes (neither is merged from the other's grid)")
+        problem = ("repartition: source and destination decompositions are on different grids "
+                   "(neither is ProcessGrid.merged from the other's root)")
     elif src.global_shape != dst.global_shape:
         problem = (f"repartition: global shapes differ ({src.global_shape} -> "
                    f"{dst.global_shape})")
