@@ -24,7 +24,7 @@ ROOT = Path(__file__).resolve().parent.parent
 # 4 training pairs in batches of 2: an epoch is 2 steps.
 TINY = ["--side", "16", "--trajectories", "2", "--pairs", "4", "--every", "20",
         "--warmup", "20", "--steps", "24", "--batch", "2", "--width", "4", "--crop", "12",
-        "--lr", "3e-3"]
+        "--lr", "3e-3", "--memory-per-rank", "1GiB", "--plan-seconds", "2"]
 
 
 def _demo(*args, timeout=180):
@@ -37,10 +37,12 @@ def test_demo_runs_end_to_end_on_two_ranks(tmp_path):
     proc = _demo("-n", "2", *TINY, "--out", str(tmp_path))
     log = proc.stdout + proc.stderr
     assert proc.returncode == 0, log[-4000:]
-    for stage in ("[1/5] solve", "[2/5] write", "[3/5] train", "[4/5] check", "[5/5] plots"):
+    for stage in ("[1/7] plan", "[2/7] solve", "[3/7] write", "[4/7] one process",
+                  "[5/7] train", "[6/7] check", "[7/7] plots"):
         assert stage in proc.stdout, log[-4000:]
+    assert "smallest rank count that fits the budget" in proc.stdout, log[-4000:]
     assert "check: done" in proc.stdout and "(PASSED)" in proc.stdout, log[-4000:]
-    for name in ("sample.png", "loss.png"):
+    for name in ("sample.png", "loss.png", "memory.png"):
         png = tmp_path / name
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", name
         assert png.stat().st_size > 10_000, name  # a drawn figure, not an empty canvas
@@ -52,10 +54,24 @@ def test_demo_runs_end_to_end_on_two_ranks(tmp_path):
     # The loss went down: the last 3 epochs against the first 3. Whole epochs, so
     # both means cover every sample alike (the samples' changes differ 10-fold).
     assert np.mean(losses[-6:]) < 0.7 * np.mean(losses[:6]), losses
+    # A 16^3 field fits 1 GiB in one process: the attempt says so, the plan too.
+    memory = summary["memory"]
+    assert memory["one_process"]["fits"] is True and memory["plan"]["ranks"] == 1, memory
+    assert {"1", "2"} <= set(memory["plan"]["estimates"]), memory  # 4: blocks too small
+    assert len(memory["sharded_peak_bytes"]) == 2, memory
     check = summary["check"]
     assert check["ok"] is True
     assert check["float64"]["output"]["max_rel"] < 1e-10, check
     assert set(check["float32"]) == {"output", "input gradient", "parameter gradients"}
+
+
+def test_demo_runs_without_a_budget(tmp_path):
+    proc = _demo("-n", "1", *TINY[:-4], "--steps", "2", "--memory-per-rank", "none",
+                 "--out", str(tmp_path))
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    assert "[1/5] solve" in proc.stdout and "[5/5] plots" in proc.stdout
+    assert json.loads((tmp_path / "summary.json").read_text())["memory"] is None
+    assert not (tmp_path / "memory.png").exists()
 
 
 def test_demo_refuses_bad_options_before_working(tmp_path):

@@ -9,7 +9,9 @@ from pathlib import Path
 
 import domainpar as dp
 from ..bench.timing import median
-from . import check, dataset, grayscott, plots, surrogate
+from ..plan.units import format_bytes
+from . import budget as budget_module
+from . import check, dataset, fit, grayscott, plots, surrogate
 
 MIN_CROP = 9  # 9 -> 5 -> 3 -> 2 at the UNet's bottom: 8 values per channel
 
@@ -26,6 +28,10 @@ def _problem(args) -> str | None:
         return f"--crop {args.crop} must be at least {MIN_CROP}"
     if args.warmup < 0:
         return f"--warmup {args.warmup} must not be negative"
+    budget = args.memory_per_rank
+    if budget is not None and budget <= fit.RUNTIME_ALLOWANCE:
+        return (f"--memory-per-rank {format_bytes(budget)} must exceed the runtime allowance "
+                f"of {format_bytes(fit.RUNTIME_ALLOWANCE)} (docs/demo.md)")
     return None
 
 
@@ -72,9 +78,18 @@ def run(args) -> int:
     spec = dataset.Spec(side=args.side, trajectories=args.trajectories, pairs=args.pairs,
                         every=args.every, warmup=args.warmup, seed=args.seed)
     params = grayscott.Params()
-    stages = _Stages(comm)
+    budget = args.memory_per_rank
+    stages = _Stages(comm, 5 if budget is None else 7)
     t_start = time.perf_counter()
     _header(stages, args, spec, comm.Get_size())
+    planned = None
+    if budget is not None:
+        planned = stages.run("plan", lambda: fit.plan(comm, args, out))
+        stages.log("      " + fit.planned_line(planned, comm.Get_size()))
+        why = fit.problem(planned, comm.Get_size())
+        if why:
+            stages.log(f"domainpar demo: {why}")
+            return 2
 
     solver, states = stages.run(
         "solve", lambda: dataset.solve(spec, params, comm),
@@ -83,7 +98,11 @@ def run(args) -> int:
     sizes = stages.run("write", lambda: dataset.write(h5, states, solver, spec, params),
                        lambda r: f"{r['train']['samples']} training + {r['test']['samples']} "
                                  f"held-out pairs, {h5}")
-    del states
+    del states, solver
+    alone = None
+    if budget is not None:
+        alone = stages.run("one process", lambda: fit.one_process(comm, h5, args, out),
+                           lambda r: budget_module.describe(r, budget))
     grid = dp.ProcessGrid((comm.Get_size(),))
     show = args.pairs // 2  # the held-out pair drawn and cropped for the check
     model, history, test = stages.run(
@@ -91,15 +110,22 @@ def run(args) -> int:
         lambda r: f"loss {_tail_mean(r[1]['loss']):.2e} over the last 20 steps, "
                   f"median step {median(r[1]['step_s']) * 1e3:.0f} ms")
     stages.log("      " + _versus_no_change(test))
+    memory = None
+    if budget is not None:
+        memory = {"budget_bytes": budget, "allowance_bytes": fit.RUNTIME_ALLOWANCE,
+                  "plan": planned, "one_process": alone,
+                  "sharded_peak_bytes": history["peak_bytes"]}
+        stages.log("      " + fit.sharded_line(history["peak_bytes"], budget))
     report = stages.run("check", lambda: check.check(model, _crop(h5, grid, show, args.crop),
                                                      grid, surrogate.SHARD),
                         lambda r: "PASSED" if r["ok"] else "FAILED")
     _log_check(stages, report)
 
     files = stages.run("plots", lambda: _plots(out, args, spec, test, history, sizes, grid,
-                                               rank0))
+                                               rank0, memory))
     summary = _summary(args, spec, params, comm, sizes, model, history, test, report,
                        stages, time.perf_counter() - t_start, h5, files, grid)
+    summary["memory"] = memory
     if rank0:
         (out / "summary.json").write_text(json.dumps(summary, indent=1))
         print(f"domainpar demo: {'OK' if report['ok'] else 'CHECK FAILED'} in "
@@ -110,9 +136,20 @@ def run(args) -> int:
 
 
 def _train_and_test(h5, grid, args, show: int):
-    model, history = surrogate.train(h5, grid, steps=args.steps, batch=args.batch,
-                                     width=args.width, lr=args.lr, seed=args.seed)
-    return model, history, surrogate.evaluate(model, h5, grid, show)
+    """Collective. Train and evaluate, under ``--memory-per-rank`` in every rank
+    when it is set (``budget.enforce``; lifted after the evaluation). The
+    history gets ``peak_bytes``: every rank's peak above its baseline."""
+    limit = None if args.memory_per_rank is None else budget_module.enforce(args.memory_per_rank)
+    try:
+        model, history = surrogate.train(h5, grid, steps=args.steps, batch=args.batch,
+                                         width=args.width, lr=args.lr, seed=args.seed)
+        test = surrogate.evaluate(model, h5, grid, show)
+    finally:
+        if limit is not None:
+            limit.release()
+    if limit is not None:
+        history["peak_bytes"] = grid.comm.allgather(limit.peak_above_baseline())
+    return model, history, test
 
 
 def _versus_no_change(test: dict) -> str:
@@ -130,18 +167,30 @@ def _ranks(n: int) -> str:
 def _header(stages: _Stages, args, spec: dataset.Spec, size: int) -> None:
     n = spec.side
     per = spec.warmup + spec.pairs * spec.every
-    stages.log(
-        f"domainpar demo on {_ranks(size)}: a 3-D UNet surrogate of Gray-Scott "
-        f"reaction-diffusion\n"
-        f"  1 solve  {spec.trajectories} trajectories in a periodic {n}^3 box, {per} explicit "
-        f"steps each, the box cut over all ranks (dp.HaloExchange)\n"
-        f"  2 write  {spec.pairs} pairs (t, t + {spec.every} steps) per trajectory to "
-        f"{args.out}/grayscott.h5, each rank its block (dp.io.write)\n"
-        f"  3 train  {args.steps} Adam steps, batch {args.batch}, D cut over {_ranks(size)} "
-        f"(dp.DomainParallel, dp.io.ShardedDataset)\n"
-        f"  4 check  sharded vs one process on a {args.crop}^3 crop: output, input and "
-        f"parameter gradients\n"
-        f"  5 plots  {args.out}/sample.png, {args.out}/loss.png, {args.out}/summary.json")
+    budget = args.memory_per_rank
+    limit = ("" if budget is None else
+             f", every rank limited to {format_bytes(budget)} above its baseline")
+    lines = [
+        ("plan", f"domainpar plan: per-rank estimates for {args.batch}x2x{n}^3 training, "
+                 f"the smallest rank count that fits {format_bytes(budget or 0)}"
+                 f" less {format_bytes(fit.RUNTIME_ALLOWANCE)}"),
+        ("solve", f"{spec.trajectories} trajectories in a periodic {n}^3 box, {per} explicit "
+                  "steps each, the box cut over all ranks (dp.HaloExchange)"),
+        ("write", f"{spec.pairs} pairs (t, t + {spec.every} steps) per trajectory to "
+                  f"{args.out}/grayscott.h5, each rank its block (dp.io.write)"),
+        ("one process", "two training steps on the whole field in one process under "
+                        "the budget (expected to run out of memory)"),
+        ("train", f"{args.steps} Adam steps, batch {args.batch}, D cut over {_ranks(size)} "
+                  f"(dp.DomainParallel, dp.io.ShardedDataset){limit}"),
+        ("check", f"sharded vs one process on a {args.crop}^3 crop: output, input and "
+                  "parameter gradients"),
+        ("plots", f"{args.out}/sample.png, loss.png"
+                  + ("" if budget is None else ", memory.png") + ", summary.json")]
+    if budget is None:
+        lines = [line for line in lines if line[0] not in ("plan", "one process")]
+    stages.log(f"domainpar demo on {_ranks(size)}: a 3-D UNet surrogate of Gray-Scott "
+               "reaction-diffusion\n" + "\n".join(f"  {k} {name:<11} {text}" for k, (name, text)
+                                                  in enumerate(lines, 1)))
 
 
 def _crop(h5, grid: dp.ProcessGrid, index: int, side: int):
@@ -165,8 +214,12 @@ def _log_check(stages: _Stages, report: dict) -> None:
             stages.log(f"{line}  {'ok' if row['ok'] else 'FAILED'}{worst}")
 
 
-def _plots(out: Path, args, spec, test: dict, history: dict, sizes: dict, grid, rank0: bool):
-    files = [out / "sample.png", out / "loss.png"]
+def _plots(out: Path, args, spec, test: dict, history: dict, sizes: dict, grid, rank0: bool,
+           memory: dict | None):
+    files = [out / "sample.png", out / "loss.png"] + ([out / "memory.png"] if memory else [])
+    if rank0 and memory:
+        plots.memory_png(files[2], memory, title=f"training a 3-D UNet on {args.batch}x2x"
+                                                 f"{spec.side}³ fields: memory per rank")
     if rank0:
         ranks = grid.comm.Get_size()
         dec = dp.Decomposition((spec.side,), grid, {0: 0}, check=False)

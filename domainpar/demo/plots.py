@@ -88,3 +88,68 @@ def loss_png(path, losses, *, persistence: float, test_mse: float, title: str) -
     fig.savefig(out, dpi=110)
     plt.close(fig)
     return out
+
+
+def memory_png(path, memory: dict, *, title: str) -> Path:
+    """Local. Per-rank peak memory against the budget for 1, 2 and 4 ranks:
+    the plan's estimates (hatched) beside the measured peaks of the runs the
+    job made (the one-process attempt, marked where it ran out of memory with
+    the allocation it was refused on top; the sharded run's largest rank).
+    ``memory``: the demo summary's "memory" entry."""
+    plt = _pyplot()
+    mib = 2.0 ** 20
+    budget = memory["budget_bytes"] / mib
+    estimates = {int(n): b / mib for n, b in memory["plan"]["estimates"].items()}
+    measured = _measured(memory)
+    counts = sorted(set(estimates) | set(measured))
+    x = np.arange(len(counts))
+    fig, ax = plt.subplots(figsize=(8, 4.8), constrained_layout=True)
+    ax.bar(x - 0.2, [estimates.get(n, 0) for n in counts], 0.4, color="white",
+           edgecolor="tab:blue", hatch="//", label="estimated (domainpar plan)")
+    for i, n in enumerate(counts):
+        if n not in measured:
+            ax.text(x[i] + 0.2, budget * 0.03, "not run", ha="center", fontsize=9,
+                    rotation=90, color="gray")
+            continue
+        peak, refused, failed = measured[n]
+        ax.bar(x[i] + 0.2, peak, 0.4, color="tab:red" if failed else "tab:green",
+               label="measured: out of memory" if failed else "measured: trained")
+        if refused:
+            ax.bar(x[i] + 0.2, refused, 0.4, bottom=peak, color="white", edgecolor="tab:red",
+                   hatch="xx", label="the allocation refused")
+        top = peak + (refused or 0)
+        ax.text(x[i] + 0.2, top, "FAILED:\nout of memory" if failed else f"{peak:.0f} MiB",
+                ha="center", va="bottom", fontsize=9,
+                color="tab:red" if failed else "black")
+    ax.axhline(budget, color="black", linestyle="--",
+               label=f"budget per rank ({budget:.0f} MiB above baseline)")
+    if memory.get("allowance_bytes"):
+        ax.axhline(budget - memory["allowance_bytes"] / mib, color="gray", linestyle=":",
+                   label="what the plan may use (budget less the runtime allowance)")
+    ax.set_xticks(x, [f"{n} rank{'s' if n > 1 else ''}" for n in counts])
+    ax.set_ylabel("peak memory per rank (MiB)")
+    ax.set_title(title)
+    ax.set_ylim(0, 1.25 * max([budget, *estimates.values()]
+                              + [p + (r or 0) for p, r, _ in measured.values()]))
+    handles, labels = ax.get_legend_handles_labels()
+    unique = dict(zip(labels, handles))
+    ax.legend(unique.values(), unique.keys(), loc="upper right", fontsize=9)
+    ax.grid(True, axis="y", alpha=0.3)
+    out = Path(path)
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out
+
+
+def _measured(memory: dict) -> dict:
+    """{ranks: (peak MiB, refused allocation MiB or None, failed)} of the runs made."""
+    mib = 2.0 ** 20
+    runs = {}
+    alone = memory.get("one_process")
+    if alone and alone.get("peak_bytes") is not None:
+        refused = alone.get("requested_bytes")
+        runs[1] = (alone["peak_bytes"] / mib, refused / mib if refused else None,
+                   not alone["fits"])
+    peaks = memory["sharded_peak_bytes"]
+    runs[len(peaks)] = (max(peaks) / mib, None, False)
+    return runs

@@ -21,6 +21,7 @@ import torch.nn.functional as F
 import domainpar as dp
 from ..progress import Progress
 from ..testing.models import UNet3d
+from . import budget
 
 SHARD = {2: 0}  # (N, C, D, H, W): D cut over a 1-D grid of all ranks
 
@@ -71,12 +72,12 @@ def _learning_rate(step: int, steps: int, lr: float) -> float:
 
 
 def train(path, grid: dp.ProcessGrid, *, steps: int, batch: int, width: int, lr: float,
-          seed: int) -> tuple[Surrogate, dict]:
+          seed: int, quiet: bool = False) -> tuple[Surrogate, dict]:
     """Collective. ``steps`` Adam steps of MSE on ``train/inputs`` -> ``train/targets``
     of ``path``, sharded by ``SHARD`` over ``grid``, with a progress line (loss,
     step time of the slowest rank, peak RSS per rank). Returns the model (its
     parameters the same on every rank) and the history: per-step loss, step
-    time, data-read time, and peak RSS per rank."""
+    time, data-read time, and peak RSS per rank. ``quiet``: no progress line."""
     comm = grid.comm
     torch.manual_seed(seed)  # DomainParallel broadcasts rank 0's parameters anyway
     model = Surrogate(width)
@@ -84,31 +85,48 @@ def train(path, grid: dp.ProcessGrid, *, steps: int, batch: int, width: int, lr:
     opt = torch.optim.Adam(net.parameters(), lr=lr)
     history = {"loss": [], "step_s": [], "read_s": [], "peak_rss_mib": []}
     bar = Progress(steps, "train", comm=comm)
+    bar.enabled = bar.enabled and not quiet
     with dp.io.ShardedDataset(path, "train/inputs", "train/targets", grid=grid, shard=SHARD,
                               shuffle=True, seed=seed) as data:
-        batches = _batches(data, batch)
-        for step in range(steps):
-            t0 = time.perf_counter()
-            x, y = next(batches)
-            t1 = time.perf_counter()
-            for group in opt.param_groups:
-                group["lr"] = _learning_rate(step, steps, lr)
-            opt.zero_grad(set_to_none=True)
-            loss = F.mse_loss(net(x), y)  # a global mean: the same value on every rank
-            loss.backward()
-            opt.step()
-            t2 = time.perf_counter()
-            # One small allgather per step: what the progress line shows.
-            stats = comm.allgather((t2 - t0, t1 - t0, peak_rss_mib()))
-            history["loss"].append(float(loss.detach()))
-            history["step_s"].append(max(s[0] for s in stats))
-            history["read_s"].append(max(s[1] for s in stats))
-            history["peak_rss_mib"] = [s[2] for s in stats]
-            bar.update(loss=f"{history['loss'][-1]:.3e}",
-                       step=f"{history['step_s'][-1] * 1e3:.0f} ms",
-                       **{"peak RSS": _per_rank_mib(history["peak_rss_mib"])})
+        try:
+            _loop(net, opt, _batches(data, batch), steps, lr, history, bar)
+        except (RuntimeError, MemoryError) as exc:
+            # Before the dataset's collective close, which the others never reach.
+            budget.abort_if_out_of_memory(comm, exc)
+            raise
         bar.close()
     return model, history
+
+
+def _loop(net, opt, batches, steps: int, lr: float, history: dict, bar: Progress) -> None:
+    """Collective. The training steps, each recorded in ``history`` and ``bar``."""
+    comm = net.grid.comm
+    for step in range(steps):
+        t0 = time.perf_counter()
+        x, y = next(batches)
+        t1 = time.perf_counter()
+        for group in opt.param_groups:
+            group["lr"] = _learning_rate(step, steps, lr)
+        loss = _step(net, opt, x, y)
+        t2 = time.perf_counter()
+        # One small allgather per step: what the progress line shows.
+        stats = comm.allgather((t2 - t0, t1 - t0, peak_rss_mib()))
+        history["loss"].append(float(loss.detach()))
+        history["step_s"].append(max(s[0] for s in stats))
+        history["read_s"].append(max(s[1] for s in stats))
+        history["peak_rss_mib"] = [s[2] for s in stats]
+        bar.update(loss=f"{history['loss'][-1]:.3e}",
+                   step=f"{history['step_s'][-1] * 1e3:.0f} ms",
+                   **{"peak RSS": _per_rank_mib(history["peak_rss_mib"])})
+
+
+def _step(net, opt, x, y) -> torch.Tensor:
+    """Collective. One Adam step of MSE; returns the loss."""
+    opt.zero_grad(set_to_none=True)
+    loss = F.mse_loss(net(x), y)  # a global mean: the same value on every rank
+    loss.backward()
+    opt.step()
+    return loss
 
 
 def _per_rank_mib(values) -> str:
