@@ -147,9 +147,10 @@ def _kth(q, r, k):
 def _d2(q, c):
     """Squared distances (nq, nc): the squared differences summed over the
     coordinates in order, one formula everywhere (selection and distances agree)."""
-    out = (q[:, None, 0] - c[None, :, 0]) ** 2
+    qt, ct = q.detach().T.contiguous(), c.detach().T.contiguous()
+    out = (qt[0][:, None] - ct[0][None, :]).square_()
     for d in range(1, q.shape[1]):
-        out = out + (q[:, None, d] - c[None, :, d]) ** 2
+        out.add_((qt[d][:, None] - ct[d][None, :]).square_())
     return out
 
 
@@ -225,8 +226,7 @@ def _nearest(q, cand, k: int, r2):
         d2 = _d2(q[i:i + CHUNK], cand)
         if r2 is not None:
             d2 = torch.where(d2 <= r2, d2, torch.full_like(d2, float("inf")))
-        vals, pos = torch.sort(d2, dim=1, stable=True)
-        vals, pos = vals[:, :width], pos[:, :width]
+        vals, pos = _first(d2, width)
         pad = k - width
         sels.append(torch.nn.functional.pad(pos, (0, pad)))
         oks.append(torch.nn.functional.pad(torch.isfinite(vals), (0, pad)))
@@ -234,3 +234,22 @@ def _nearest(q, cand, k: int, r2):
         return (torch.zeros((0, k), dtype=torch.int64, device=q.device),
                 torch.zeros((0, k), dtype=torch.bool, device=q.device))
     return torch.cat(sels), torch.cat(oks)
+
+
+def _first(d2, width: int):
+    """Local. Per row, the ``width`` smallest values of ``d2`` and their columns,
+    ties by column: a topk finds each row's threshold, then only the entries at
+    or below it (``width`` of them, more with ties) are sorted, stably."""
+    if width == 0:
+        return d2[:, :0], torch.zeros((d2.shape[0], 0), dtype=torch.int64, device=d2.device)
+    thr = torch.topk(d2, width, dim=1, largest=False).values[:, -1:]
+    mask = (d2 <= thr) & torch.isfinite(d2)  # inf: out of a radius search's reach
+    m = max(int(mask.sum(1).max()) if d2.shape[0] else 0, width)
+    rows, cols = mask.nonzero(as_tuple=True)
+    slot = (mask.cumsum(1) - 1)[rows, cols]
+    vals = torch.full((d2.shape[0], m), float("inf"), dtype=d2.dtype, device=d2.device)
+    where = torch.zeros((d2.shape[0], m), dtype=torch.int64, device=d2.device)
+    vals[rows, slot] = d2[rows, cols]
+    where[rows, slot] = cols
+    vals, order = torch.sort(vals, dim=1, stable=True)
+    return vals[:, :width], where.gather(1, order)[:, :width]
