@@ -18,7 +18,8 @@
 #   HDF5_DIR=...             parallel HDF5 prefix to build h5py against
 #   MPIEXEC=mpiexec          launcher for the demo and the MPI test stages
 #   DEMO_NP=2                ranks `make demo` runs on
-#   DEMO_ARGS=...            extra `domainpar demo` options (e.g. --steps 100 --side 24)
+#   DEMO_ARGS=...            extra `domainpar demo` options (e.g. --steps 100
+#                            --memory-per-rank 1GiB --side 80; docs/demo.md)
 #   ALLOW_CUDA_TORCH=1       permit a torch install that pulls CUDA wheels
 
 # One bash per recipe with strict error handling: recipes read like scripts
@@ -128,7 +129,7 @@ TCP_K := fill_equals or accumulate_is or allreduce or allgatherv_equals \
 .PHONY: help setup sysdeps kernels test test-large demo docs coupling clean distclean FORCE
 
 help:
-	@echo "make demo       set up, then the main job on $(DEMO_NP) ranks: solve, write HDF5, train a 3-D UNet, check, plot"
+	@echo "make demo       set up, then the main job on $(DEMO_NP) ranks: a field one process cannot hold (576 MiB per rank) trains sharded; check, plot"
 	echo "make test       set up, then serial tests, MPI tests on $(NP_LIST) ranks, a subset on $(LARGE_NP) ranks and one on 2 ranks over TCP"
 	echo "make test-large a subset of the MPI tests on 16 ranks (larger grids; not in make test)"
 	echo "make setup      only the setup: apt packages, .venv, parallel h5py, package, kernels"
@@ -326,9 +327,12 @@ test: setup
 test-large: setup
 	@$(call LARGE_RUN,16) $(PYTEST_ARGS)
 
-# The main job (`domainpar demo --help`): Gray-Scott solved domain-parallel,
-# written to HDF5, a 3-D UNet surrogate trained on it, checked against one
-# process, PNGs in demo-out/. A few minutes; the timeout is a last resort.
+# The main job (`domainpar demo --help`, docs/demo.md): the plan for a field one
+# process cannot hold under a 576 MiB per-rank budget (RLIMIT_DATA in each
+# rank), Gray-Scott solved domain-parallel, written to HDF5, the one-process
+# training step running out of the budget, a 3-D UNet surrogate trained sharded
+# under it, checked against one process, PNGs in demo-out/. About 5 minutes on
+# 2 idle cores; the timeout is a last resort.
 demo: setup
 	@set -x
 	env $(MPI_RUN_ENV) timeout -k 10 1800 $(MPIEXEC) -n $(DEMO_NP) \
