@@ -4,8 +4,7 @@ The public face: re-exports only (see docs/design.md, "The public names").
 The torch layers load on first use of one of their names, so code that needs
 only the MPI core (``domainpar.comm``) never imports torch.
 """
-from .comm import (Decomposition, DomainparError, HaloExchange, LayoutError, MismatchError,
-                   ProcessGrid, init)
+from .comm import Decomposition, DomainparError, HaloExchange, LayoutError, MismatchError, ProcessGrid, init
 
 __version__ = "0.1.0"
 

@@ -28,10 +28,9 @@ import math
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from _common import TrainingLog, add_training_options, check_against_one_process, refuse, show_blocks
 
 import domainpar as dp
-from _common import (TrainingLog, add_training_options, check_against_one_process, refuse,
-                     show_blocks)
 
 SHARD = {2: 0}  # H along grid axis 0
 

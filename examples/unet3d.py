@@ -29,10 +29,9 @@ import numpy as np
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from _common import TrainingLog, add_training_options, check_against_one_process, refuse, show_blocks
 
 import domainpar as dp
-from _common import (TrainingLog, add_training_options, check_against_one_process, refuse,
-                     show_blocks)
 
 SHARD = {2: 0, 3: 1, 4: 2}  # D, H, W along grid axes 0, 1, 2
 

@@ -23,8 +23,7 @@ from mpi4py import MPI
 import domainpar as dp
 from domainpar import autograd as ag
 from domainpar.ops import attention as A
-from domainpar.testing import (adjoint_test, assert_matches_single_process, raises_on_every_rank,
-                               shard_like)
+from domainpar.testing import adjoint_test, assert_matches_single_process, raises_on_every_rank, shard_like
 from tensor_cases import SIZE, global_tensor, sizes_for
 
 pytestmark = pytest.mark.mpi

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from domainpar.testing import adjoint_test, shard_like
-from tensor_cases import DTYPES, KINDS, SIZE, global_tensor, sizes_for
+from tensor_cases import DTYPES, KINDS, global_tensor, sizes_for
 from test_products import check, grid_of
 
 pytestmark = pytest.mark.mpi

@@ -15,8 +15,13 @@ from mpi4py import MPI
 
 import domainpar as dp
 from domainpar.comm import clock
-from domainpar.testing import (assert_matches_single_process, check_on_every_rank, layout,
-                               raises_on_every_rank, shard_like)
+from domainpar.testing import (
+    assert_matches_single_process,
+    check_on_every_rank,
+    layout,
+    raises_on_every_rank,
+    shard_like,
+)
 from tensor_cases import RANK, SIZE, global_tensor
 
 pytestmark = pytest.mark.mpi

@@ -16,8 +16,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from domainpar import UnsupportedOpError
-from domainpar.testing import (adjoint_test, assert_matches_single_process, raises_on_every_rank,
-                               shard_like)
+from domainpar.testing import adjoint_test, assert_matches_single_process, raises_on_every_rank, shard_like
 from tensor_cases import COMM, SIZE, global_tensor, layout
 
 pytestmark = pytest.mark.mpi
@@ -289,7 +288,8 @@ def test_blocks_take_onednn_where_torch_would_take_im2col(transposed):
 def test_blocks_no_order_helps_take_onednn_layout():
     """A float32 3-D block that no reordering gets past torch's size rule goes to
     oneDNN in its own tensor layout: same numbers as one process."""
-    from domainpar.ops.onednn import LAYOUT, kernel_order as _onednn_order
+    from domainpar.ops.onednn import LAYOUT
+    from domainpar.ops.onednn import kernel_order as _onednn_order
     shape = (1, 4, 16, 16, 16)
     grid, shard, sizes = layout(shape, (2, 3), 2, "uneven")
     torch.manual_seed(3)
@@ -304,7 +304,8 @@ def test_pointwise_3d_conv_stays_on_torchs_own_path():
     """A 1x1x1 conv (stride 1, no padding) needs no columns on torch's slow path,
     so its block is not converted to oneDNN's layout (a copy each way at the
     step's peak); its numbers still match one process."""
-    from domainpar.ops.onednn import LAYOUT, kernel_order as _onednn_order
+    from domainpar.ops.onednn import LAYOUT
+    from domainpar.ops.onednn import kernel_order as _onednn_order
     small = (1, 4, 10, 10, 18)  # no order passes torch's size rule
     assert _onednn_order(small, torch.float32, "cpu", (4, 4, 3, 3, 3), (1, 1, 1), (1, 1, 1),
                          (1, 1, 1), 1, ()) == LAYOUT

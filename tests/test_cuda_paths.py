@@ -8,6 +8,7 @@ stream after its last write. tests/gpu/ runs the real thing on a GPU."""
 import json
 import sys
 import types
+
 import numpy as np
 import pytest
 from mpi4py import MPI

@@ -6,7 +6,6 @@ import copy
 
 import pytest
 import torch
-import torch.nn.functional as F
 from mpi4py import MPI
 
 import domainpar as dp

@@ -12,8 +12,7 @@ import pytest
 import torch
 
 import domainpar as dp
-from domainpar.testing import (adjoint_test, assert_matches_single_process, raises_on_every_rank,
-                               shard_like)
+from domainpar.testing import adjoint_test, assert_matches_single_process, raises_on_every_rank, shard_like
 from tensor_cases import DTYPES, KINDS, SIZE, global_tensor, layout
 
 pytestmark = pytest.mark.mpi

@@ -11,8 +11,7 @@ import torch
 import domainpar as dp
 from domainpar import autograd as ag
 from domainpar.tensor import layout as lay
-from domainpar.testing import (adjoint_test, assert_matches_single_process, raises_on_every_rank,
-                               shard_like)
+from domainpar.testing import adjoint_test, assert_matches_single_process, raises_on_every_rank, shard_like
 from tensor_cases import CASES, DTYPES, global_tensor
 from tensor_cases import layout as _layout
 
@@ -26,7 +25,7 @@ COMBO_IDS = [f"grid{g}-{k}-{'f64' if d == torch.float64 else 'f32'}" for (g, k),
 assert set(DTYPES) == {d for _, d in COMBOS}
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def layout(shape, shard_dims, grid_ndim, kind, seed=0):
     """tensor_cases.layout, with one grid per layout for the whole file: a new grid
     (Cart_create and sub-communicators) costs more than the op under test."""

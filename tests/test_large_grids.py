@@ -22,8 +22,7 @@ from mpi4py import MPI
 
 import domainpar as dp
 from domainpar.comm import collectives
-from domainpar.testing import (adjoint_error, assert_matches_single_process,
-                               check_on_every_rank, shard_like)
+from domainpar.testing import adjoint_error, assert_matches_single_process, check_on_every_rank, shard_like
 from domainpar.testing.layouts import block_sizes
 from io_cases import fresh, mode, shared_dir  # noqa: F401
 from layouts import global_array, reference_fill

@@ -13,8 +13,14 @@ from mpi4py import MPI
 import domainpar as dp
 from domainpar import autograd as ag
 from domainpar.comm.decomposition import Decomposition
-from domainpar.testing import (adjoint_test, assert_matches_single_process, block_sizes,
-                               check_on_every_rank, raises_on_every_rank, shard_like)
+from domainpar.testing import (
+    adjoint_test,
+    assert_matches_single_process,
+    block_sizes,
+    check_on_every_rank,
+    raises_on_every_rank,
+    shard_like,
+)
 from tensor_cases import SIZE, global_tensor
 
 pytestmark = pytest.mark.mpi

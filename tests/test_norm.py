@@ -12,9 +12,9 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from mpi4py import MPI
 
 import domainpar as dp
-from mpi4py import MPI
 from domainpar.testing import assert_matches_single_process, raises_on_every_rank, shard_like
 from tensor_cases import COMM, global_tensor, layout
 

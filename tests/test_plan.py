@@ -25,8 +25,7 @@ import torch.nn as nn
 
 from domainpar import cli, launch
 from domainpar.plan.grids import Grid, candidate_counts, factorizations
-from domainpar.plan.measure import (PlanError, constraints, ladder, load_factory, measure_grid,
-                                    setup_from)
+from domainpar.plan.measure import PlanError, constraints, ladder, load_factory, measure_grid, setup_from
 from domainpar.plan.model import features, fit
 from domainpar.plan.report import best_per_count, ranked, smallest_fit
 from domainpar.plan.units import format_bytes, parse_bytes

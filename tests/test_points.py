@@ -9,11 +9,21 @@ import torch
 
 import domainpar as dp
 from domainpar.points import route as rt
-from domainpar.testing import adjoint_test, assert_matches_single_process, raises_on_every_rank
 from domainpar.tensor.domain_tensor import DomainTensor
 from domainpar.tensor.layout import derive
-from test_points_cases import (F64, LAYOUT_IDS, LAYOUTS, cloud, grids, knn_oracle, layout,
-                               radius_oracle, safe_sqrt, sharded)
+from domainpar.testing import adjoint_test, assert_matches_single_process, raises_on_every_rank
+from test_points_cases import (
+    F64,
+    LAYOUT_IDS,
+    LAYOUTS,
+    cloud,
+    grids,
+    knn_oracle,
+    layout,
+    radius_oracle,
+    safe_sqrt,
+    sharded,
+)
 
 pytestmark = pytest.mark.mpi
 KINDS = ("uniform", "clustered")

@@ -28,7 +28,7 @@ def cloud(n: int, kind: str, seed: int = 0, dim: int = 3) -> torch.Tensor:
     return x
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def grids():
     """(name, grid, shard of the point dim) per layout family; one grid each per file."""
     p = MPI.COMM_WORLD.Get_size()

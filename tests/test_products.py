@@ -17,8 +17,7 @@ import torch
 from mpi4py import MPI
 
 import domainpar as dp
-from domainpar.testing import (adjoint_test, assert_matches_single_process, raises_on_every_rank,
-                               shard_like)
+from domainpar.testing import adjoint_test, assert_matches_single_process, raises_on_every_rank, shard_like
 from tensor_cases import DTYPES, KINDS, SIZE, global_tensor, sizes_for
 
 pytestmark = pytest.mark.mpi
@@ -27,7 +26,7 @@ COMBOS = [(g, k, d) for g in (1, 2, 3) for k in KINDS for d in DTYPES]
 IDS = [f"grid{g}-{k}-{str(d)[6:]}" for g, k, d in COMBOS]
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def grid_of(grid_ndim: int, periodic: bool) -> dp.ProcessGrid:
     """One grid per shape of grid for the whole file (all operands must share it)."""
     return dp.ProcessGrid(MPI.Compute_dims(SIZE, grid_ndim), periodic=periodic)

@@ -8,8 +8,8 @@ import math
 
 import pytest
 import torch
-from mpi4py import MPI
 import torch.nn.functional as F
+from mpi4py import MPI
 from torch import nn
 
 import domainpar as dp

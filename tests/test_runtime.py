@@ -6,8 +6,6 @@ import sys
 import textwrap
 from pathlib import Path
 
-import pytest
-
 import domainpar as dp
 from domainpar import launch
 from domainpar.comm import runtime

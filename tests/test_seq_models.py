@@ -58,7 +58,7 @@ def _vit(h, w):
     return ViT2d((h, w), patch=8, dim=16, heads=2, depth=2).double()
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _vit_reference(b, h, w):
     return reference(functools.partial(_vit, h, w), *_field((b, 1, h, w), h), STEPS)
 
@@ -123,7 +123,7 @@ def _fno():
     return FNO2d(width=8, modes=12, layers=4).double()
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _fno_reference():
     return reference(_fno, *_field(FNO_SHAPE, 7), STEPS)
 

@@ -2,7 +2,6 @@
 whole tensor: dim reorderings, squeeze/unsqueeze, expand, and view/reshape/
 flatten/unflatten with merges and splits of sharded dims, on 1-, 2- and 3-D
 grids with even, uneven and zero-size blocks; the refusals on every rank."""
-import math
 
 import pytest
 import torch

@@ -15,12 +15,10 @@ import math
 import numpy as np
 import pytest
 import torch
-from mpi4py import MPI
 
 import domainpar as dp
 from domainpar.plan.comms import Event, Where, record, traffic
-from domainpar.plan.timemodel import (Compute, Machine, Network, category, event_seconds,
-                                      limiting, predict)
+from domainpar.plan.timemodel import Compute, Machine, Network, category, event_seconds, limiting, predict
 from domainpar.plan.timereport import _cubic
 from domainpar.testing import layout, shard_like
 from domainpar.testing.models import FNO2d, UNet3d

@@ -49,7 +49,7 @@ def _model():
     return UNet3d(in_channels=2, out_channels=2, width=2).double()
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _reference(n: int):
     return reference(_model, *_data(n), STEPS)
 

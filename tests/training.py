@@ -3,7 +3,7 @@ must end with the parameters (and buffers) one process gets on the whole
 tensors. The one-process run is made on rank 0 and broadcast."""
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import pytest
 import torch

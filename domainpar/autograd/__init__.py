@@ -7,15 +7,27 @@ primitive is the identity (``broadcast``) or when the layouts already agree
 """
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 from mpi4py import MPI
 
 from ..comm import HaloExchange
 from ..comm.decomposition import Decomposition
-from .primitives import (Allgather, AllreduceSum, Broadcast, Gather, HaloAccumulate, HaloFill,
-                         MirrorExchange, Repartition, RingShift, Scatter, Shard, allreduce_tensor)
+from .primitives import (
+    Allgather,
+    AllreduceSum,
+    Broadcast,
+    Gather,
+    HaloAccumulate,
+    HaloFill,
+    MirrorExchange,
+    Repartition,
+    RingShift,
+    Scatter,
+    Shard,
+    allreduce_tensor,
+)
 
 
 def halo_fill(padded: torch.Tensor, halo: HaloExchange) -> torch.Tensor:

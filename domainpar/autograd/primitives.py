@@ -29,7 +29,7 @@ distributed one as the sum over blocks (``domainpar.testing.adjoint_test``).
 """
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 from mpi4py import MPI

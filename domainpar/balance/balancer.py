@@ -16,7 +16,7 @@ are not touched.
 from __future__ import annotations
 
 import math
-from typing import Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 
@@ -26,7 +26,6 @@ from ..comm.decomposition import Decomposition
 from ..comm.errors import LayoutError, agree
 from ..tensor import DomainTensor
 from . import sizes as plan
-
 
 _WINDOW = 8  # raw measurements per rank kept for the noise margin
 

@@ -149,6 +149,7 @@ def grid_case(comm, grid, *, side, channels, layers, passes, slow_rank, settle, 
               clock_kind):
     """Collective. The conv stack on a field sharded along H: even against balanced."""
     import domainpar as dp
+
     from ..testing import shard_like
     torch.manual_seed(0)
     model = torch.nn.Sequential(*[m for _ in range(layers) for m in
@@ -187,6 +188,7 @@ def points_case(comm, grid, *, points, cluster, channels, layers, passes, slow_r
     counts against counts in proportion to the balancer's measured shares."""
     import domainpar as dp
     from domainpar import points as dpp
+
     from ..testing import shard_like
     torch.manual_seed(0)
     mlp = [torch.nn.Linear(channels, channels * 4)]

@@ -13,8 +13,8 @@ from . import settings
 
 
 def _bench_halo(args) -> int:
-    from . import halo
     from ..comm import init
+    from . import halo
     init()
     halo.run(dims=args.dims, faces_mib=args.faces, width=args.width, block=args.block,
              repeats=args.repeats, out=args.out, compare=args.compare)
@@ -22,8 +22,8 @@ def _bench_halo(args) -> int:
 
 
 def _bench_grads(args) -> int:
-    from . import grads
     from ..comm import init
+    from . import grads
     init()
     grads.run(layers=args.layers, width=args.width, side=args.side, repeats=args.repeats,
               out=args.out, compare=args.compare)
@@ -31,8 +31,8 @@ def _bench_grads(args) -> int:
 
 
 def _bench_io(args) -> int:
-    from . import io
     from ..comm import init
+    from . import io
     init()
     io.run(samples=args.samples, channels=args.channels, side=args.side, repeats=args.repeats,
            compute_ms=args.compute_ms, directory=args.dir, out=args.out,
@@ -72,8 +72,8 @@ def _bench_scaling(args) -> int:
 
 
 def _bench_balance(args) -> int:
-    from . import balance
     from ..comm import init
+    from . import balance
     init()
     balance.run(cases=args.cases, side=args.side, channels=args.channels, layers=args.layers,
                 points=args.points, cluster=args.cluster, passes=args.passes,

@@ -66,6 +66,7 @@ class _Paths:
 
     def __init__(self, comm, grid, path: str, rows: slice, samples: int, mpio: bool):
         import domainpar as dp
+
         from ..io import files
         self.closers = []
         # The read paths name their driver; the epochs with a step follow
@@ -143,6 +144,7 @@ def run(samples: int = 8, channels: int = 2, side: int = 2048, repeats: int = 5,
     """Collective. Time every path (and under ``compare``'s settings too,
     interleaved, when given) and write JSON and PNG (rank 0 prints a table)."""
     import domainpar as dp
+
     from ..comm import Decomposition, ProcessGrid
     from ..io import files
     comm = MPI.COMM_WORLD

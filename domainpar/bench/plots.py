@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import math
 import os
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 from .settings import parts
 

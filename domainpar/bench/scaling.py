@@ -50,6 +50,7 @@ def unet_step(grid, shape, width: int = 4, levels: int = 4):
     import torch.nn.functional as F
 
     import domainpar as dp
+
     from ..testing.models import UNet3d
     torch.manual_seed(0)  # the same initial parameters on every rank
     model = dp.DomainParallel(UNet3d(in_channels=shape[1], out_channels=shape[1], width=width,

@@ -22,7 +22,7 @@ import argparse
 import contextlib
 import os
 import sys
-from typing import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 
 
 def _halo_way(value: str | None) -> None:

@@ -8,7 +8,7 @@ import os
 import statistics
 import sys
 import time
-from typing import Callable, Mapping
+from collections.abc import Callable, Mapping
 
 from mpi4py import MPI
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import bisect
 import itertools
 import math
-from typing import Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
 from .errors import LayoutError, agree, signature_of
 from .grid import ProcessGrid

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from typing import Iterable, Sequence
+from collections.abc import Iterable, Sequence
 
 from mpi4py import MPI
 
@@ -87,7 +87,7 @@ class ProcessGrid:
         self._init_from_cart(cart)
 
     @classmethod
-    def from_comm(cls, cart: MPI.Cartcomm) -> "ProcessGrid":
+    def from_comm(cls, cart: MPI.Cartcomm) -> ProcessGrid:
         """Collective. Adopt a Cartesian communicator made elsewhere (C, Fortran, mpi4py).
 
         Parameters
@@ -241,7 +241,7 @@ class ProcessGrid:
         return self.sub((axis,))
 
     # -- merged grids -------------------------------------------------------------------------
-    def merged(self, axes: Sequence[int]) -> "ProcessGrid":
+    def merged(self, axes: Sequence[int]) -> ProcessGrid:
         """Collective on first use for a given ``axes``. The grid of the same processes
         in which the axes ``axes`` (two or more, in that order) are one axis: its
         coordinate is the row-major index of the coordinates on ``axes``. The merged
@@ -256,7 +256,7 @@ class ProcessGrid:
             self._merged[axes] = self._make_merged(axes)
         return self._merged[axes]
 
-    def _make_merged(self, axes: tuple[int, ...]) -> "ProcessGrid":
+    def _make_merged(self, axes: tuple[int, ...]) -> ProcessGrid:
         kept = [a for a in range(self.ndim) if a not in axes]
         pos = sum(1 for a in kept if a < min(axes))
         order = kept[:pos] + [None] + kept[pos:]  # None: the merged axis
@@ -287,7 +287,7 @@ class ProcessGrid:
         grid.axis_from_parent = {a: (pos if a in axes else order.index(a)) for a in range(self.ndim)}
         return grid
 
-    def ranks_in(self, other: "ProcessGrid") -> tuple[int, ...]:
+    def ranks_in(self, other: ProcessGrid) -> tuple[int, ...]:
         """Local (cached). For each rank of this grid, the rank of the same process in
         ``other``, a grid of the same processes (the same root)."""
         if other is self:

@@ -79,7 +79,7 @@ def install_abort_hook_under_mpi() -> None:
 install_abort_hook_under_mpi()  # on import: domainpar used under mpiexec without dp.init()
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def node_comm() -> MPI.Comm:
     """Collective on first call. The processes of this node (shared memory)."""
     return MPI.COMM_WORLD.Split_type(MPI.COMM_TYPE_SHARED)
@@ -118,7 +118,7 @@ def bind_gpu() -> int | None:
     return device
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def cuda_aware_mpi() -> tuple[bool | None, str]:
     """(yes/no/unknown, how that was decided) for passing device buffers to MPI.
 
@@ -133,7 +133,7 @@ def cuda_aware_mpi() -> tuple[bool | None, str]:
         raise ValueError(f"DOMAINPAR_CUDA_AWARE={forced!r}: use 1 (pass device buffers to "
                          "MPI) or 0 (stage them through pinned host memory), or unset it")
     try:
-        query = getattr(ctypes.CDLL(MPI.__file__), "MPIX_Query_cuda_support")
+        query = ctypes.CDLL(MPI.__file__).MPIX_Query_cuda_support
     except (OSError, AttributeError):
         return None, "the MPI library has no MPIX_Query_cuda_support; set DOMAINPAR_CUDA_AWARE"
     query.restype = ctypes.c_int

@@ -38,7 +38,7 @@ class Field:
     @classmethod
     def create(cls, grid: ProcessGrid, address: int, dtype: int, order: int,
                shape, ghost_lo=None, ghost_hi=None, axes=None, offsets=None,
-               location: int = memory.HOST, local_problem: str | None = None) -> "Field":
+               location: int = memory.HOST, local_problem: str | None = None) -> Field:
         """Collective. Check the description on every rank, then wrap the memory.
 
         Raises CouplingError on every rank alike: ARGUMENT for a null pointer,

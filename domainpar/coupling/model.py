@@ -35,8 +35,7 @@ import torch
 import torch.nn.functional as F
 
 from ..comm.grid import ProcessGrid
-from .errors import (ARGUMENT, IMPORT, IO, MODEL, STATE, CouplingError, Stage, agree_equal,
-                     describe)
+from .errors import ARGUMENT, IMPORT, IO, MODEL, STATE, CouplingError, Stage, agree_equal, describe
 from .scripted import Blockwise
 
 OPTIMIZERS = {"sgd": torch.optim.SGD, "adam": torch.optim.Adam, "adamw": torch.optim.AdamW,
@@ -121,7 +120,7 @@ class Model:
 
     @classmethod
     def load(cls, grid: ProcessGrid, entry: str, kwargs_json: str | None,
-             options_json: str | None) -> "Model":
+             options_json: str | None) -> Model:
         from ..nn import DomainParallel
         stage = Stage(grid.comm)
         self = cls.__new__(cls)

@@ -48,6 +48,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 import domainpar as dp
+
 from ..bench.timing import on_rank0
 from ..testing.oracle import TOLERANCES, shard_like
 

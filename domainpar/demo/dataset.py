@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 import domainpar as dp
+
 from ..progress import Progress
 from .grayscott import Params, Solver, box_decomposition, initial_blobs
 

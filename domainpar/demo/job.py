@@ -8,6 +8,7 @@ import time
 from pathlib import Path
 
 import domainpar as dp
+
 from ..bench.timing import median
 from ..plan.units import format_bytes
 from . import budget as budget_module

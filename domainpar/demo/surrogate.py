@@ -12,13 +12,14 @@ from __future__ import annotations
 import math
 import resource
 import time
-from typing import Iterator
+from collections.abc import Iterator
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
 import domainpar as dp
+
 from ..progress import Progress
 from ..testing.models import UNet3d
 from . import budget

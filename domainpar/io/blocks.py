@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-from typing import Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
 from ..comm.decomposition import Decomposition
 from ..comm.errors import LayoutError

@@ -29,14 +29,16 @@ import os
 import secrets
 import zlib
 from collections import OrderedDict
-from typing import Mapping, NamedTuple
+from collections.abc import Mapping
+from typing import NamedTuple
 
 import h5py
 import numpy as np
 import torch
 from mpi4py import MPI
 
-from ..comm.errors import DomainparError, LayoutError, agree as agree_args, signature_of
+from ..comm.errors import DomainparError, LayoutError, signature_of
+from ..comm.errors import agree as agree_args
 from ..comm.grid import ProcessGrid
 from ..tensor.domain_tensor import DomainTensor
 from . import files, guard

@@ -21,13 +21,14 @@ Read errors in the thread reach every rank when the sample is taken.
 from __future__ import annotations
 
 import concurrent.futures
-from typing import Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 from mpi4py import MPI
 
 from ..comm.decomposition import Decomposition
-from ..comm.errors import LayoutError, agree as agree_args, signature_of
+from ..comm.errors import LayoutError, signature_of
+from ..comm.errors import agree as agree_args
 from ..comm.grid import ProcessGrid
 from . import blocks, files
 from .errors import agree

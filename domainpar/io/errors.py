@@ -7,7 +7,8 @@ ranks concerned.
 """
 from __future__ import annotations
 
-from typing import Callable, TypeVar
+from collections.abc import Callable
+from typing import TypeVar
 
 import numpy as np
 from mpi4py import MPI

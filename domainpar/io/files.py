@@ -17,7 +17,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
-from typing import Sequence
+from collections.abc import Sequence
 
 import h5py
 import numpy as np

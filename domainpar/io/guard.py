@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import os
 import re
-from typing import Iterable
+from collections.abc import Iterable
 
 import h5py
 from mpi4py import MPI

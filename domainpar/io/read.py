@@ -8,12 +8,14 @@ refuses parallel reads of virtual datasets.
 """
 from __future__ import annotations
 
-from typing import Mapping, NamedTuple, Sequence
+from collections.abc import Mapping, Sequence
+from typing import NamedTuple
 
 import torch
 
 from ..comm.decomposition import Decomposition
-from ..comm.errors import LayoutError, agree as agree_args, signature_of
+from ..comm.errors import LayoutError, signature_of
+from ..comm.errors import agree as agree_args
 from ..comm.grid import ProcessGrid
 from ..tensor.domain_tensor import DomainTensor
 from . import blocks, files

@@ -13,12 +13,13 @@ from __future__ import annotations
 
 import math
 import os
-from typing import Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
 import h5py
 import torch
 
-from ..comm.errors import agree as agree_args, signature_of
+from ..comm.errors import agree as agree_args
+from ..comm.errors import signature_of
 from ..tensor.domain_tensor import DomainTensor
 from . import files, guard
 from .errors import DataError, agree

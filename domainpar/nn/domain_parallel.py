@@ -46,7 +46,6 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-from typing import Iterable
 
 import numpy as np
 import torch
@@ -55,8 +54,7 @@ from torch.utils._pytree import tree_leaves
 
 from ..autograd._arrays import to_array
 from ..comm import collectives
-from ..comm.errors import (DomainparError, MismatchError, agree, completes_within,
-                           fault_timeout, signature_of)
+from ..comm.errors import DomainparError, MismatchError, agree, completes_within, fault_timeout, signature_of
 from ..comm.grid import ProcessGrid
 from ..tensor import params as domain_params
 from ..tensor.dispatch import UnsupportedOpError

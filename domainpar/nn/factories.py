@@ -42,7 +42,7 @@ them out like ``x``.
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator
+from collections.abc import Iterator
 
 import torch
 from torch.overrides import TorchFunctionMode

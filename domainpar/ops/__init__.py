@@ -1,10 +1,20 @@
 """Domain-parallel op families. Importing this package registers their rules in
 the dispatch table (``domainpar.tensor.dispatch``)."""
-from . import index, pointwise, reduce  # noqa: F401
-from . import conv, linear, loss, pad, shape  # noqa: F401
-from . import resample  # noqa: F401
-from . import pool  # noqa: F401
-from . import dropout, norm  # noqa: F401
-from . import einsum, fft  # noqa: F401
-from . import attention  # noqa: F401
-from . import interop  # noqa: F401
+from . import (  # noqa: F401  # noqa: F401  # noqa: F401  # noqa: F401
+    attention,  # noqa: F401
+    conv,
+    dropout,
+    einsum,
+    fft,
+    index,
+    interop,  # noqa: F401
+    linear,
+    loss,
+    norm,
+    pad,
+    pointwise,
+    pool,  # noqa: F401
+    reduce,
+    resample,  # noqa: F401
+    shape,
+)

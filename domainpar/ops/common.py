@@ -13,7 +13,8 @@ the most dims. Every other operand is brought onto it:
 """
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 from torch.utils import _pytree as pytree

@@ -25,7 +25,7 @@ whole tensor.
 from __future__ import annotations
 
 import operator
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 

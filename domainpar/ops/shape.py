@@ -72,7 +72,7 @@ global shape is fixed; assign the result of the out-of-place op instead.
 from __future__ import annotations
 
 import math
-from typing import Any, Sequence
+from collections.abc import Sequence
 
 import torch
 

@@ -23,8 +23,8 @@ from __future__ import annotations
 import contextlib
 import math
 import time
+from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Iterator, Sequence
 
 # The collectives a step may call, by how the model prices them.
 _REDUCE = ("allreduce", "iallreduce")
@@ -60,7 +60,7 @@ class Event:
         return d
 
     @classmethod
-    def from_dict(cls, d: dict) -> "Event":
+    def from_dict(cls, d: dict) -> Event:
         d = dict(d)
         for key in ("shard", "dst_shard", "sizes", "dst_sizes"):
             d[key] = {int(k): (tuple(v) if isinstance(v, list) else v)

@@ -15,8 +15,8 @@ Pure Python, no torch or MPI: the grid arithmetic is tested on its own.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Iterator, Sequence
 
 
 def candidate_counts(limit: int) -> list[int]:

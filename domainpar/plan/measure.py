@@ -39,8 +39,8 @@ import json
 import math
 import sys
 import time
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass
-from typing import Callable, Iterator, Sequence
 
 import torch
 
@@ -156,6 +156,7 @@ def _run(setup: Setup, block, train: bool, grid, global_shape) -> None:
     model = setup.factory().to(device=setup.device, dtype=setup.dtype)
     model.train(train)
     import domainpar as dp
+
     from ..comm import Decomposition
     x = dp.DomainTensor(torch.randn(block, dtype=setup.dtype, device=setup.device),
                         Decomposition(global_shape, grid, {d: i for i, d in enumerate(setup.dims)}))

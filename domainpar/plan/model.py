@@ -25,8 +25,8 @@ estimates should not be trusted.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Sequence
 
 TERMS = ("bytes", "bytes/cell", "bytes/face cell")
 

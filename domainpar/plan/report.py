@@ -14,8 +14,8 @@ Pure Python: the measured fits come in as ``model.Fit`` objects.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Mapping, Sequence
 
 from .grids import Grid, candidate_counts, grids
 from .model import Fit, features

@@ -21,7 +21,6 @@ import sys
 import time
 
 import numpy as np
-from mpi4py import MPI
 
 
 def _build(spec: dict, grid):

@@ -26,8 +26,8 @@ Pure Python: the arithmetic is tested without MPI or torch.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, replace
-from typing import Sequence
 
 from .comms import Event, Where, scale_of, traffic
 

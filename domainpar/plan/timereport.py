@@ -10,9 +10,8 @@ import statistics
 from pathlib import Path
 
 from ..progress import Progress
-from .timemodel import CATEGORIES, PROFILES, limiting, predict, best_grid
-from .timerun import (fit_compute, job, machine_here, measure_compute, measured_network, spec,
-                      traced)
+from .timemodel import CATEGORIES, PROFILES, best_grid, limiting, predict
+from .timerun import fit_compute, job, machine_here, measure_compute, measured_network, spec, traced
 
 # The validation's models: small enough for 4 ranks on 2 cores in a few minutes.
 VALIDATION_MODELS = (

@@ -95,7 +95,7 @@ def mark_copied(base, view, why: str) -> None:
     view._alias_group = group
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _inplace_position(func) -> int | None:
     """Where a function's ``inplace`` parameter sits (F.dropout(x, p, training,
     inplace), F.relu(x, inplace) ...), or None."""

@@ -17,7 +17,7 @@ from __future__ import annotations
 import importlib.abc
 import importlib.util
 import sys
-from typing import Callable
+from collections.abc import Callable
 
 _DYNAMO = "torch._dynamo"
 

@@ -8,7 +8,7 @@ level) to domain-parallel rules that work on the blocks.
 """
 from __future__ import annotations
 
-from typing import Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
 import torch
 
@@ -62,7 +62,7 @@ class DomainTensor(torch.Tensor):
     # -- construction ----------------------------------------------------------------------
     @classmethod
     def from_local(cls, block: torch.Tensor, grid: ProcessGrid, shard: Mapping[int, int],
-                   sizes: Mapping[int, Sequence[int]] | None = None) -> "DomainTensor":
+                   sizes: Mapping[int, Sequence[int]] | None = None) -> DomainTensor:
         """Collective. Wrap the block each rank already holds; no data moves and
         gradients flow to ``block``.
 
@@ -158,7 +158,7 @@ class DomainTensor(torch.Tensor):
         return ag.allgather(self._local, self._dec)
 
     def redistribute(self, shard: Mapping[int, int],
-                     sizes: Mapping[int, Sequence[int]] | None = None) -> "DomainTensor":
+                     sizes: Mapping[int, Sequence[int]] | None = None) -> DomainTensor:
         """Collective. The same global tensor laid out anew on the same grid (an
         alltoallv; differentiable).
 

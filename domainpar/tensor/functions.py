@@ -51,7 +51,7 @@ _ORIGINAL_APPLY = _Function.__dict__["apply"].__func__
 # The call being lifted: (user class, its args with DomainTensors, a dict that
 # receives the user's forward's outputs).
 _PENDING: contextvars.ContextVar = contextvars.ContextVar("domainpar_lifted_call")
-_LIFTED: "weakref.WeakKeyDictionary[type, type]" = weakref.WeakKeyDictionary()
+_LIFTED: weakref.WeakKeyDictionary[type, type] = weakref.WeakKeyDictionary()
 
 
 def install() -> None:

@@ -3,7 +3,7 @@ every rank from layouts every rank knows, so no message is needed (and none of
 the construction-time agreement checks either)."""
 from __future__ import annotations
 
-from typing import Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
 from ..comm.decomposition import Decomposition
 from ..comm.errors import LayoutError

@@ -14,7 +14,7 @@ from __future__ import annotations
 import contextvars
 import weakref
 import zlib
-from typing import Callable, Mapping
+from collections.abc import Callable, Mapping
 
 import torch
 

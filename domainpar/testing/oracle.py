@@ -4,7 +4,8 @@ model run by one process on the whole tensors (the oracle, docs/design.md)."""
 from __future__ import annotations
 
 import copy
-from typing import Any, Callable, Mapping
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import torch
 

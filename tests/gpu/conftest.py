@@ -2,7 +2,6 @@
 machine every test here skips at collection, naming what it needs, and none of
 these fixtures runs."""
 import pytest
-
 from gpu_env import GPU_MISSING, TORCH_CUDA_MISSING
 
 if TORCH_CUDA_MISSING is None:

@@ -2,10 +2,10 @@
 in CuPy and in torch alike, so several ranks share one GPU (all on GPU 0 where
 there is one) and ranks spread one per GPU where there are several."""
 import pytest
+from gpu_env import GPU_MISSING, needs_torch_cuda
 from mpi4py import MPI
 
 from domainpar.comm import runtime
-from gpu_env import GPU_MISSING, needs_torch_cuda
 
 if GPU_MISSING:  # one skip for the module, none of its cases built
     pytest.skip(GPU_MISSING, allow_module_level=True)

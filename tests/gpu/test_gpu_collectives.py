@@ -8,11 +8,20 @@ import itertools
 
 import numpy as np
 import pytest
+from gpu_env import GPU_MISSING, KINDS, to_device, to_host
 from mpi4py import MPI
 
-from domainpar.comm import (allgatherv, allreduce, bcast, buffers, collectives, gatherv,
-                            iallreduce, repartition, scatterv)
-from gpu_env import GPU_MISSING, KINDS, to_device, to_host
+from domainpar.comm import (
+    allgatherv,
+    allreduce,
+    bcast,
+    buffers,
+    collectives,
+    gatherv,
+    iallreduce,
+    repartition,
+    scatterv,
+)
 from layouts import global_array, random_decomposition, random_layout
 from test_collectives import REDUCE, random_grid, random_shape, typed, values_of
 

@@ -8,12 +8,12 @@ before an exchange must reach the ghosts, and the exchange's results must be
 there for the next kernel on that stream."""
 import numpy as np
 import pytest
+from gpu_env import GPU_MISSING, KINDS, needs_torch_cuda, to_device, to_host
 from mpi4py import MPI
 
 import domainpar as dp
 from domainpar.comm import halo as halo_module
 from domainpar.testing import adjoint_error
-from gpu_env import GPU_MISSING, KINDS, needs_torch_cuda, to_device, to_host
 from layouts import global_array, random_layout, reference_fill
 from test_halo import padded_with_block
 
@@ -180,6 +180,7 @@ def test_domain_tensor_conv_on_a_side_stream(path):
     """The same through the torch layer: a sharded conv (halo fill forward,
     accumulate backward) run on a busy side stream equals the default stream's."""
     import torch
+
     from domainpar.testing import shard_like
     grid = dp.ProcessGrid((COMM.Get_size(),))
     torch.manual_seed(0)

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from gpu_env import GPU_MISSING
 
 from domainpar.comm import packing
-from gpu_env import GPU_MISSING
 from test_kernels import BOXES, DTYPES
 
 if GPU_MISSING:  # one skip for the module, none of its cases built

@@ -7,18 +7,30 @@ attention itself (F.scaled_dot_product_attention) against the oracle on the
 unmasked cases of tests/test_attention.py."""
 import pytest
 import torch
+from gpu_env import TORCH_CUDA_MISSING, assert_matches_on_device
 from mpi4py import MPI
 
 import domainpar as dp
 from domainpar.testing import shard_like
-from gpu_env import TORCH_CUDA_MISSING, assert_matches_on_device
 
 if TORCH_CUDA_MISSING:  # one skip for the module, none of its cases built
     pytest.skip(TORCH_CUDA_MISSING, allow_module_level=True)
-from test_attention import CASES as SDPA_CASES, _sdpa_case  # noqa: E402
-from test_seq_models import (FNO_CASES, FNO_SHAPE, STEPS as SEQ_STEPS, VIT_CASES,  # noqa: E402
-                             _field, _fno, _fno_reference, _vit, _vit_reference)
-from test_unet import CASES as UNET_CASES, STEPS as UNET_STEPS, _data, _model, _reference  # noqa: E402
+from test_attention import CASES as SDPA_CASES  # noqa: E402
+from test_attention import _sdpa_case
+from test_seq_models import (  # noqa: E402
+    FNO_CASES,
+    FNO_SHAPE,
+    VIT_CASES,
+    _field,
+    _fno,
+    _fno_reference,
+    _vit,
+    _vit_reference,
+)
+from test_seq_models import STEPS as SEQ_STEPS
+from test_unet import CASES as UNET_CASES  # noqa: E402
+from test_unet import STEPS as UNET_STEPS
+from test_unet import _data, _model, _reference
 from training import assert_same_state, train  # noqa: E402
 
 pytestmark = pytest.mark.mpi

@@ -14,7 +14,6 @@ import inspect
 import sys
 
 import pytest
-
 from gpu_env import TORCH_CUDA_MISSING, assert_matches_on_device
 
 if TORCH_CUDA_MISSING:  # one skip for the module, none of its cases built
