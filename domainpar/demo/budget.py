@@ -207,7 +207,13 @@ def describe(report: dict, budget: int) -> str:
     asked = report.get("requested_bytes")
     more = f", then asked for {format_bytes(asked)} more" if asked else ""
     held = f"after {format_bytes(peak)}{more}" if peak is not None else "no peak recorded"
-    return f"out of memory ({held}; budget {format_bytes(budget)}): {report['error'][:160]}"
+    return f"out of memory ({held}; budget {format_bytes(budget)}): {_short(report['error'])}"
+
+
+def _short(error: str) -> str:
+    """torch's allocator message without its source location and errno text."""
+    error = re.sub(r"\[enforce fail at [^\]]*\] err == 0\. ", "", error)
+    return error.split(" Error code")[0][:200]
 
 
 def main(argv=None) -> int:
