@@ -47,6 +47,31 @@ def _check_png(path: Path) -> None:
     assert pixels.shape[0] > 200 and pixels.shape[1] > 300, pixels.shape
 
 
+def _measured(values: dict, what: str) -> None:
+    """Every reported figure in ``values`` (nested) was measured: positive."""
+    for key, v in values.items():
+        if isinstance(v, dict):
+            _measured(v, f"{what}.{key}")
+        else:
+            assert v > 0, f"{what}.{key} = {v!r} was not measured"
+
+
+def _conv_parts_measured(case: dict) -> None:
+    """Each part `bench conv` reports measures something: the steps, the halo
+    exchanges of the N-rank step (timed through comm.clock.observing, a fill in
+    forward and an accumulate in backward at least), the profile's kinds (none
+    of one process's time is halo exchange) and the split probe."""
+    _measured({k: case[k] for k in ("median_step_s", "median_cpu_s", "halo_exposed_s")}, "conv")
+    assert case["halo_exchanges_per_step"] >= 2, case["halo_exchanges_per_step"]
+    _measured({k: case["split_probe"][k] for k in ("whole_forward", "split_forward",
+                                                   "whole_step", "split_step")}, "split_probe")
+    ranks, one = (case["profile"][p]["self_ms_by_kind"] for p in ("ranks", "one_process"))
+    _measured({k: ranks[k] for k in ("conv forward", "conv backward", "halo exchange")},
+              "profile.ranks")
+    _measured({k: one[k] for k in ("conv forward", "conv backward")}, "profile.one_process")
+    assert one["halo exchange"] == 0, one
+
+
 def _compared(report: dict, settings: dict) -> None:
     assert report["configurations"]["B"] == settings
     assert set(report["configurations"]["A"]) == set(settings)
@@ -59,6 +84,8 @@ def test_halo_compare_forces_the_way_in_b_only(tmp_path):
     _compared(report, {"DOMAINPAR_HALO_WAY": "pack", "DOMAINPAR_NATIVE": "0"})
     assert len(report["cases"]) == 3
     for case in report["cases"]:
+        _measured(case["median_s"], "A median_s")
+        _measured(case["B"]["median_s"], "B median_s")
         assert set(case["B"]["median_s"]) == set(case["median_s"])
         assert set(case["ratio_B_over_A"]) == set(case["median_s"])
         assert all(r > 0 for r in case["ratio_B_over_A"].values())
@@ -77,6 +104,8 @@ def test_grads_compare(tmp_path):
     variants = {"per_op", "domain_parallel", "domain_parallel_blocking"}
     assert set(report["median_step_s"]) == variants
     assert set(report["B"]["median_step_s"]) == variants
+    _measured(report["median_step_s"], "A")
+    _measured(report["B"]["median_step_s"], "B")
     assert all(len(v) == 2 for v in report["B"]["samples_s"].values())
     assert set(report["ratio_B_over_A"]) == variants
     assert "B/A step:" in stdout
@@ -88,6 +117,8 @@ def test_attention_compare(tmp_path):
     _compared(report, {"OMP_NUM_THREADS": "2"})
     case = report["cases"]["64"]
     assert set(case["B"]["median_step_s"]) == {"ranks", "one_process"}
+    _measured(case["median_step_s"], "A")
+    _measured(case["B"]["median_step_s"], "B")
     assert case["B"]["speedup"] > 0 and case["B"]["memory_ratio"] > 0
     assert set(case["ratio_B_over_A"]) >= {"step_ranks", "step_one_process", "speedup"}
 
@@ -99,6 +130,9 @@ def test_io_compare_switches_the_driver_in_b(tmp_path):
     assert report["B"]["compute_epochs_driver"] == "serial"
     assert report["compute_epochs_driver"] == ("mpio" if report["h5py_mpi"] else "serial")
     assert set(report["B"]["aggregate_read_mib_per_s"]) == set(report["aggregate_read_mib_per_s"])
+    for part in (report, report["B"]):
+        _measured(part["aggregate_read_mib_per_s"], "aggregate_read_mib_per_s")
+        _measured(part["median_epoch_s"], "median_epoch_s")
     assert set(report["ratio_B_over_A"]) == set(report["median_epoch_s"])
 
 
@@ -111,6 +145,7 @@ def test_conv_compare_jobs(tmp_path):
         case = part["cases"]["conv2d"]
         assert case["shape"] == [1, 8, 64, 64]
         assert case["speedup"] > 0 and len(case["samples"]["ranks"]) == 1
+        _conv_parts_measured(case)
         assert part["memory"] == {}
     assert set(report["ratio_B_over_A"]["conv2d"]) == {"step_ranks", "step_one_process",
                                                       "speedup"}
@@ -131,6 +166,7 @@ def test_scaling_compare_jobs(tmp_path):
         for points in (strong, weak):  # the smallest rank count is the reference
             assert points["2"]["efficiency"] == pytest.approx(1.0)
             assert len(points["2"]["samples_s"]) == 1
+            assert points["2"]["median_step_s"] > 0
     assert set(report["ratio_B_over_A"]["strong"]) == {"2"}
     assert f"this machine has {report['cpus']} cores" in stdout
     assert "scaling jobs [" in stderr
@@ -176,3 +212,32 @@ def test_applied_sets_and_restores_the_settings(monkeypatch):
     assert (halo.FORCED_WAY, packing.use_native) == before
     assert settings.os.environ["DOMAINPAR_IO"] == "mpio"
     assert "DOMAINPAR_HALO_WAY" not in settings.os.environ
+
+
+def test_clock_observing_sees_each_outermost_exchange_once():
+    """The benches' one hook into communication: every outermost call, by name,
+    only inside the block (one process: a grid of size one still exchanges)."""
+    import contextlib
+
+    import numpy as np
+
+    import domainpar as dp
+    from domainpar.comm import clock
+    grid = dp.ProcessGrid((1,), periodic=True)
+    halo = dp.HaloExchange(dp.Decomposition((8,), grid, {0: 0}), {0: 1})
+    seen = []
+
+    @contextlib.contextmanager
+    def observer(name):
+        seen.append(name)
+        yield
+    a = np.arange(halo.padded_shape[0], dtype=np.float64)
+    with clock.observing(observer):
+        halo.fill(a)
+        halo.accumulate(a)
+    halo.fill(a)
+    assert seen == ["HaloExchange.fill", "HaloExchange.accumulate"]
+    # fill wrapped 8 and 1 into the ghosts, accumulate added them back, fill again
+    assert (a[0], a[1], a[8], a[9]) == (16, 2, 16, 2), a
+    halo.settle(np.zeros(halo.padded_shape))
+    assert all(t["settled"] for t in halo.tuning()) and len(halo.rounds) == 1

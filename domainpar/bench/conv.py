@@ -10,9 +10,10 @@ ranks, one torch thread per rank; a step is forward and ``.mean().backward()``
   the ratio of the medians. CPU time too (the busiest rank's), which a shared
   machine's other load disturbs less than wall time;
 - halo time left exposed: time inside ``HaloExchange.fill``/``accumulate``
-  during the N-rank step (they block: none of it is overlapped), and inside the
-  HaloFill/HaloAccumulate Functions around them (the exchange plus a copy of
-  the padded block);
+  during the N-rank step (they block: none of it is overlapped), timed and
+  labelled for the profiler through the public hook ``comm.clock.observing``;
+  the number of exchanges per step is reported beside it (conv fills its padded
+  block in place, so there is no separate copy to time);
 - where the time goes: one step of each under torch.profiler, self CPU time
   summed by kind (conv forward, conv backward, halo, copies, other);
 - the overlap probe: on one rank, its step on its halo'd block as one conv
@@ -36,6 +37,7 @@ that this process collects (``python -m domainpar.bench.conv --worker ...``).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import ctypes
 import gc
 import importlib
@@ -147,33 +149,26 @@ def _scaled(shape, scale: float):
 
 
 # -- timing -------------------------------------------------------------------------------------
-_HALO = {"exchange": 0.0, "functions": 0.0}
+_HALO = {"exchange": 0.0}
 _EXCHANGE_CALLS: list[float] = []  # this step's exchange durations, in call order
+_EXCHANGE_NAMES = ("HaloExchange.fill", "HaloExchange.accumulate")
 
 
-def _instrument() -> None:
-    """Time (and label for the profiler) every halo exchange and the autograd
-    Functions around them. The wrappers cost two clock reads per call."""
-    from ..autograd import primitives
-    from ..comm import HaloExchange
-
-    def timed(fn, key, label):
-        def wrapper(*args, **kwargs):
-            with torch.profiler.record_function(label):
-                t0 = time.perf_counter()
-                try:
-                    return fn(*args, **kwargs)
-                finally:
-                    took = time.perf_counter() - t0
-                    _HALO[key] += took
-                    if key == "exchange":
-                        _EXCHANGE_CALLS.append(took)
-        return wrapper
-    HaloExchange.fill = timed(HaloExchange.fill, "exchange", "domainpar::halo_exchange")
-    HaloExchange.accumulate = timed(HaloExchange.accumulate, "exchange",
-                                    "domainpar::halo_exchange")
-    for cls in (primitives.HaloFill, primitives.HaloAccumulate):
-        cls.forward = staticmethod(timed(cls.forward, "functions", f"domainpar::{cls.__name__}"))
+@contextlib.contextmanager
+def _observe(name: str):
+    """An observer for ``comm.clock.observing``: time every halo exchange (fill
+    and accumulate) and label it for the profiler. Two clock reads per call."""
+    if name not in _EXCHANGE_NAMES:
+        yield
+        return
+    with torch.profiler.record_function("domainpar::halo_exchange"):
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            took = time.perf_counter() - t0
+            _HALO["exchange"] += took
+            _EXCHANGE_CALLS.append(took)
 
 
 def _time_ranks(comm, step) -> dict:
@@ -182,29 +177,27 @@ def _time_ranks(comm, step) -> dict:
     cost: per exchange, the time of the rank that took least (the last to
     arrive, which did not wait for a neighbour), summed over the exchanges."""
     comm.Barrier()
-    _HALO.update(exchange=0.0, functions=0.0)
+    _HALO.update(exchange=0.0)
     _EXCHANGE_CALLS.clear()
     t0, c0 = time.perf_counter(), time.thread_time()
     step()
     mine = (time.perf_counter() - t0, time.thread_time() - c0, _HALO["exchange"],
-            _HALO["functions"], list(_EXCHANGE_CALLS))
+            list(_EXCHANGE_CALLS))
     per_rank = comm.allgather(mine)
     return {"wall": max(r[0] for r in per_rank), "cpu": max(r[1] for r in per_rank),
-            "halo_exchange": [r[2] for r in per_rank], "halo_functions": [r[3] for r in per_rank],
-            "halo_exchange_cost": sum(map(min, zip(*(r[4] for r in per_rank))))}
+            "halo_exchange": [r[2] for r in per_rank],
+            "halo_exchanges": [len(r[3]) for r in per_rank],
+            "halo_exchange_cost": sum(map(min, zip(*(r[3] for r in per_rank))))}
 
 
 def _settle_exchanges() -> None:
     """Collective. Run every cached exchange through its tuning calls (a plan
     times two ways on its first calls), so timed steps see settled plans."""
     import numpy as np
-    from ..comm import halo as halo_module
+
     from ..ops import window
-    for halo in list(window._EXCHANGES.values()):
-        arr = np.zeros(halo.padded_shape, np.float32)
-        for _ in range(2 * halo_module.TUNING_CALLS + 1):
-            halo.fill(arr, check=False)
-            halo.accumulate(arr, check=False)
+    for halo in window.cached_exchanges():
+        halo.settle(np.zeros(halo.padded_shape, np.float32))
 
 
 _KINDS = (("conv backward", ("convolution_backward",)),
@@ -295,11 +288,16 @@ def _split_probe(conv, local_shape, repeats: int) -> dict:
 
 def _time_worker(args) -> dict:
     """Collective. The N-rank timing job."""
-    from ..comm import ProcessGrid, init
+    from ..comm import ProcessGrid, clock, init
     comm = init()
-    rank, size = comm.Get_rank(), comm.Get_size()
-    grid = ProcessGrid((size,))
-    _instrument()
+    grid = ProcessGrid((comm.Get_size(),))
+    with clock.observing(_observe):
+        return _time_cases(args, comm, grid)
+
+
+def _time_cases(args, comm, grid) -> dict:
+    """Collective. Each case's timing, profile and split probe."""
+    rank = comm.Get_rank()
     # what the job is doing goes to stderr beside the progress bars; stdout is the table's
     say = (lambda *a, **k: print(*a, file=sys.stderr, **k)) if rank == 0 else (
         lambda *a, **k: None)
@@ -527,18 +525,16 @@ def _timing_summary(t: dict) -> dict:
     # included); cost: per exchange, the least any rank spent (see _time_ranks).
     exchange = _median([max(s["halo_exchange"]) for s in ranks])
     exchange_min = _median([s["halo_exchange_cost"] for s in ranks])
-    functions = _median([max(s["halo_functions"]) for s in ranks])
     probe = t["split_probe"]["median_s"]
     return {
         "shape": t["shape"], "local_shape": t["local_shape"],
         "median_step_s": {"ranks": wall, "one_process": wall1},
         "speedup": wall1 / wall,
         "median_cpu_s": {"ranks": cpu, "one_process": cpu1}, "cpu_speedup": cpu1 / cpu,
-        "halo_exposed_s": {"exchange": exchange, "exchange_cost": exchange_min,
-                           "functions_with_copies": functions},
+        "halo_exposed_s": {"exchange": exchange, "exchange_cost": exchange_min},
         "halo_exposed_fraction": {"exchange": exchange / wall,
-                                  "exchange_cost": exchange_min / wall,
-                                  "functions_with_copies": functions / wall},
+                                  "exchange_cost": exchange_min / wall},
+        "halo_exchanges_per_step": max(ranks[-1]["halo_exchanges"]),
         "split_probe": {**probe,
                         "forward_overhead_s": probe["split_forward"] - probe["whole_forward"],
                         "step_overhead_s": probe["split_step"] - probe["whole_step"],
@@ -575,15 +571,15 @@ def _print(report: dict, log) -> None:
     parts = settings.parts(report)
     tag = (lambda name: f"{name} ") if len(parts) > 1 else (lambda name: "")
     log(f"\n{'case':<10} {'1 proc s':>9} {f'{n} ranks s':>10} {'speedup':>8} {'cpu speedup':>11} "
-        f"{'halo exposed ms':>20} {'+copies':>8} {'split overhead ms':>19}")
-    log(f"{'':<52} {'(cost-exposed)':>20} {'':>8} {'(forward/step)':>19}")
+        f"{'halo exposed ms':>20} {'split overhead ms':>19}")
+    log(f"{'':<52} {'(cost-exposed)':>20} {'(forward/step)':>19}")
     for case in report["cases"]:
         for name, part in parts:
             c = part["cases"][case]
             m, h, p = c["median_step_s"], c["halo_exposed_s"], c["split_probe"]
             log(f"{tag(name) + case:<10} {m['one_process']:9.3f} {m['ranks']:10.3f} "
                 f"{c['speedup']:8.2f} {c['cpu_speedup']:11.2f} {h['exchange_cost'] * 1e3:10.2f}-"
-                f"{h['exchange'] * 1e3:.2f} ms {h['functions_with_copies'] * 1e3:5.1f} ms "
+                f"{h['exchange'] * 1e3:.2f} ms "
                 f"{p['forward_overhead_s'] * 1e3:+10.1f}/{p['step_overhead_s'] * 1e3:+.1f}")
             kinds = c["profile"]["ranks"]["self_ms_by_kind"]
             log("           profile, rank 0 of the N-rank step (self ms): "

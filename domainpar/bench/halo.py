@@ -55,7 +55,7 @@ def _field_shape(ndim: int, axis: int, face_bytes: int, width: int, block: int, 
 def _raw_paths(comm, halo, arr):
     """Raw mpi4py equivalents of one fill: per peer, a Sendrecv of contiguous
     buffers of the same bytes, and one of the same boxes by subarray datatype."""
-    (_dim, sends, recvs), = halo._rounds
+    (_dim, sends, recvs), = halo.rounds
     peers = sorted({t.peer for t in sends} | {t.peer for t in recvs})
     mpi_type = MPI.FLOAT
 
@@ -118,11 +118,11 @@ def _setup(grid, ndim, axis, face, width, block) -> _Setup:
 
 def _figures(halo, samples, strided: bool) -> dict:
     """One configuration's medians, ratios and the way its fill settled on."""
-    (plan,) = halo._plans.values()
+    (plan,) = halo.tuning()
     med = {k: median(v) for k, v in samples.items()}
     out = {
-        "fill_way": plan.choice or ("packed" if strided else "direct"),
-        "fill_tuning_s": plan.last_timings,
+        "fill_way": plan["way"] or ("packed" if strided else "direct"),
+        "fill_tuning_s": plan["timings"],
         "median_s": med, "samples_s": samples,
         "ratio_fill_to_sendrecv": med["fill"] / med["sendrecv"],
         "ratio_fill_to_subarray": med["fill"] / med["subarray"],

@@ -9,16 +9,26 @@ minus the total's growth over the step is the time this rank computed
 time where other load on a shared machine would blur the wall clock. A call
 made inside another wrapped call is counted once, by the outer one. The cost
 is two reads of each clock per call.
+
+``observing`` is the public hook for benchmarks that need more than the total:
+it runs each outermost call inside a context manager of theirs, named after the
+call (``HaloExchange.fill``), to time it or label it for a profiler. This
+module is the one place that hooks into communication calls; benchmarks never
+patch comm/ methods.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import threading
 import time
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager as ContextManager
 
 _local = threading.local()
 _lock = threading.Lock()
 _total = [0.0, 0, 0.0]  # wall seconds, calls, CPU seconds
+_observers: list[Callable[[str], ContextManager]] = []
 
 
 def blocked_seconds(cpu: bool = False) -> float:
@@ -39,8 +49,34 @@ def blocking_calls() -> int:
     return _total[1]
 
 
+@contextlib.contextmanager
+def observing(observer: Callable[[str], ContextManager]) -> Iterator[None]:
+    """Local. Inside this block, every outermost communication call on this
+    process runs inside ``observer(name)``, a context manager made per call,
+    ``name`` the call's qualified name (``HaloExchange.fill``,
+    ``HaloExchange.accumulate``, ``allreduce`` ...). Observers nest; outside any
+    block a call pays one test of an empty list."""
+    _observers.append(observer)
+    try:
+        yield
+    finally:
+        _observers.remove(observer)
+
+
+def _observed(name: str) -> ContextManager:
+    if not _observers:
+        return contextlib.nullcontext()
+    stack = contextlib.ExitStack()
+    for observer in _observers:
+        stack.enter_context(observer(name))
+    return stack
+
+
 def blocking(fn):
-    """Local. Decorator: count ``fn``'s wall and CPU time into ``blocked_seconds``."""
+    """Local. Decorator: count ``fn``'s wall and CPU time into ``blocked_seconds``
+    (and run it inside the ``observing`` observers)."""
+    name = fn.__qualname__
+
     @functools.wraps(fn)
     def timed(*args, **kwargs):
         depth = getattr(_local, "depth", 0)
@@ -49,7 +85,8 @@ def blocking(fn):
         _local.depth = 1
         start, start_cpu = time.perf_counter(), time.process_time()
         try:
-            return fn(*args, **kwargs)
+            with _observed(name):
+                return fn(*args, **kwargs)
         finally:
             took, took_cpu = time.perf_counter() - start, time.process_time() - start_cpu
             _local.depth = 0

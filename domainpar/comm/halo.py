@@ -277,6 +277,30 @@ class HaloExchange:
         self._plan_for(arr).execute(arr, adjoint=True)
         return a
 
+    # -- for benchmarks: the plan's messages and tuning, read without touching state --
+    @property
+    def rounds(self) -> tuple:
+        """Local. The message rounds, one per sharded dim: ``(dim, sends, recvs)``,
+        each a list of Transfers (peer and box of the padded block)."""
+        return tuple(self._rounds)
+
+    def tuning(self) -> list[dict]:
+        """Local. Per plan built so far (one per dtype, memory layout and device):
+        the way its strided boxes settled on (``way``: 'datatype', 'pack' or None
+        when nothing is strided or it is still tuning) and the seconds the last
+        tuning timed per way (``timings``)."""
+        return [{"way": p.choice, "timings": p.last_timings, "settled": p.timings is None}
+                for p in self._plans.values()]
+
+    def settle(self, a) -> None:
+        """Neighbour-wise collective. Run ``fill`` and ``accumulate`` on ``a`` (a
+        scratch padded block: its contents are overwritten) until the plan for
+        its layout has made its tuning calls, so that timed calls see a settled
+        plan. Every rank makes the same number of calls."""
+        for _ in range(2 * TUNING_CALLS + 1):
+            self.fill(a, check=False)
+            self.accumulate(a, check=False)
+
     def _plan_for(self, arr):
         key = (arr.dtype, arr.strides, buffers.is_device(arr))
         plan = self._plans.get(key)

@@ -118,6 +118,13 @@ _EXCHANGES: collections.OrderedDict = collections.OrderedDict()
 _MAX_EXCHANGES = 256
 
 
+def cached_exchanges() -> list:
+    """Local. The HaloExchanges the windowed ops have built and keep (oldest
+    first), for benchmarks that settle their tuning before timing
+    (``HaloExchange.settle``)."""
+    return list(_EXCHANGES.values())
+
+
 def exchange(dec: Decomposition, widths: Mapping[int, tuple[int, int]],
              wraps: Mapping[int, bool]) -> HaloExchange:
     """A cached HaloExchange (its plans keep buffers and persistent requests)."""
