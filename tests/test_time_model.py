@@ -90,7 +90,7 @@ def test_predict_sums_compute_and_events_and_shares_cores():
     r = predict(events, (1, 1, 16), (1, 1, 16), (4,), (2,), compute, machine)
     halo = 2 * 1e-3 + 2 * F32 / 1e6
     allreduce = 2 * 2e-3 + 2 * 3 / 4 * 40 / 1e6
-    compute_s = (0.01 + 1e-3 * 4) * 0.5
+    compute_s = 0.01 + 1e-3 * 4 * 0.5  # the fixed part runs at the host's rate
     assert r["block"] == [1, 1, 4]
     assert r["step"] == pytest.approx(2 * (compute_s + halo + allreduce))  # 4 ranks, 2 cores
     assert r["halo"] == pytest.approx(2 * halo)

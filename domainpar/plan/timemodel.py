@@ -1,13 +1,14 @@
 """The time model: a training step's time at P ranks on a grid,
 
-    step = oversubscription x (compute(block) x rate + sum over events of comm(event))
+    step = oversubscription x (compute(block) + sum over events of comm(event))
 
 - ``compute(block) = a + b * cells (+ c * faces)``: the step's time on one
   rank's block, fitted (``model.fit``) to steps measured in one process on
   scaled-down blocks over a one-rank grid (the memory plan's blocks and
   method; one torch thread, as a rank of ``mpiexec`` gets); ``a`` is what does
-  not shrink with the block (op dispatch, parameter work), ``rate`` the
-  compute-rate factor of other hardware (0.05: twenty times this core);
+  not shrink with the block (op dispatch, parameter work), scaled by the
+  host's rate, the rest by ``rate``, the compute-rate factor of other
+  hardware (0.05: twenty times this core);
 - the events are one step's halo exchanges and collectives recorded by
   ``comms.record`` on a traced run, re-counted for the target grid by
   ``comms.traffic`` (busiest rank: the middle coordinate on every axis);
@@ -59,13 +60,16 @@ class Network:
 
 @dataclass(frozen=True)
 class Machine:
-    """Compute ``rate`` (times this machine's measured core), ranks sharing
-    ``cores`` per node (``ranks_per_node`` None: all on one node), a network."""
+    """Compute ``rate`` (times this machine's measured core) for the work that
+    grows with the block, ``host_rate`` for the fixed per-step part (Python on
+    the host CPU: a GPU does not speed it up), ranks sharing ``cores`` per node
+    (``ranks_per_node`` None: all on one node), a network."""
     name: str
     network: Network
     rate: float = 1.0
     cores: int = 1_000_000
     ranks_per_node: int | None = None
+    host_rate: float = 1.0
 
     def oversubscription(self, ranks: int) -> float:
         per_node = min(ranks, self.ranks_per_node or ranks)
@@ -94,12 +98,15 @@ class Compute:
     coef: tuple[float, ...]
     dims: tuple[int, ...]
 
-    def seconds(self, block: Sequence[int]) -> float:
+    def seconds(self, block: Sequence[int], rate: float = 1.0, host_rate: float = 1.0) -> float:
+        """The step on ``block``: the parts that grow with it times ``rate``, the
+        fixed part (the fit's intercept: op dispatch in Python, parameter
+        updates) times ``host_rate``."""
         cells = math.prod(block)
-        value = self.coef[0] + self.coef[1] * cells
+        value = self.coef[1] * cells
         if len(self.coef) > 2:
             value += self.coef[2] * sum(cells // max(block[d], 1) for d in self.dims)
-        return max(value, 0.0)
+        return max(value * rate + self.coef[0] * host_rate, 0.0)
 
 
 def category(e: Event) -> str:
@@ -154,13 +161,13 @@ def predict(events: Sequence[Event], trace_shape: Sequence[int], shape: Sequence
     for axis, d in enumerate(dims):
         block[d] = -(-shape[d] // grid_dims[axis])
     parts = dict.fromkeys(CATEGORIES, 0.0)
-    parts["compute"] = compute.seconds(block) * machine.rate
+    parts["compute"] = compute.seconds(block, machine.rate, machine.host_rate)
     for e in events:
         parts[category(e)] += event_seconds(e, where, machine.network, trace_where, trace_net)
     factor = machine.oversubscription(where.size)
     parts = {k: v * factor for k, v in parts.items()}
     return {**parts, "step": sum(parts.values()), "block": block,
-            "fixed": compute.coef[0] * machine.rate * factor,
+            "fixed": compute.coef[0] * machine.host_rate * factor,
             "grid": list(grid_dims), "ranks": where.size}
 
 
