@@ -105,6 +105,7 @@ def _ops(args) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """Local. The ``domainpar`` argument parser with every subcommand."""
     parser = argparse.ArgumentParser(prog="domainpar",
                                      description="Domain parallelism for scientific ML on MPI.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -130,6 +131,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
+    """Collective when the subcommand is (most run on every rank of the job). The
+    ``domainpar`` command: parse ``argv``, relaunch under mpiexec for ``-n`` > 1 when not
+    already launched, run the subcommand; returns the exit status."""
     parser = build_parser()
     args = parser.parse_args(argv)
     if getattr(args, "benchmark", None) == "halo" and args.block < args.width:

@@ -100,7 +100,7 @@ def check_against_one_process(comm, model: torch.nn.Module, sample: torch.Tensor
     except AssertionError as exc:
         if comm.rank == 0:
             print(f"FAILED: {exc}", flush=True)
-        raise SystemExit(1)
+        raise SystemExit(1) from exc
     if comm.rank == 0:
         grads = [e for what, e in errors.items() if what.startswith("gradient of")]
         print(f"float64 check, {comm.size} rank(s) against one process: largest relative "

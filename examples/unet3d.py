@@ -161,7 +161,7 @@ def main():
 
         log = TrainingLog(comm, args.steps, start)  # the progress line and the final loss
         samples = sample_stream(ds, start)
-        for step, (x, target) in zip(log, samples):
+        for _, (x, target) in zip(log, samples):
             opt.zero_grad()
             loss = F.mse_loss(model(x), target)   # a global mean: the same on every rank
             loss.backward()                       # gradients summed over the grid

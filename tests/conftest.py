@@ -1,5 +1,5 @@
-"""Test-harness settings shared by all tests (fixtures for the package's own
-tests belong next to those tests).
+"""Test-harness settings shared by all tests, and the fixtures that several
+test files use (pytest finds them here without an import).
 
 Environment set by tests/run_mpi.py for MPI runs: DOMAINPAR_TEST_NP (the number
 of ranks) and DOMAINPAR_TEST_LOG_DIR (where ranks 1..N-1 write their output).
@@ -8,6 +8,13 @@ effect if set before torch is imported.
 """
 
 import os
+import shutil
+import tempfile
+
+import pytest
+
+from domainpar.io import files
+from io_cases import COMM, MODES, RANK
 
 UNDER_MPI = "DOMAINPAR_TEST_NP" in os.environ
 
@@ -34,3 +41,20 @@ def pytest_report_header(config):
         logs = os.environ.get("DOMAINPAR_TEST_LOG_DIR", "?")
         return f"domainpar: MPI run on {n} ranks; ranks 1..{n - 1} log to {logs}"
     return None
+
+
+@pytest.fixture(scope="module")
+def shared_dir():
+    """A directory every rank agrees on (made by rank 0), removed at the end."""
+    path = COMM.bcast(tempfile.mkdtemp(prefix="dp-io-") if RANK == 0 else None, root=0)
+    yield path
+    COMM.Barrier()
+    if RANK == 0:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture(params=MODES)
+def mode(request):
+    """Each io mode in turn: mpio (when h5py has MPI) and the serial fallback."""
+    with files.forced_mode(request.param):
+        yield request.param

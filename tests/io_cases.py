@@ -1,14 +1,12 @@
-"""Shared pieces of the dp.io tests: a directory every rank agrees on, the io
-modes to run (mpio and the forced serial fallback), and the global-tensor
-oracle of a block read with ghosts."""
+"""Shared pieces of the dp.io tests: the io modes to run (mpio and the forced
+serial fallback), fresh file names, and the global-tensor oracle of a block
+read with ghosts. The fixtures built on them (``shared_dir``, ``mode``) are in
+conftest.py."""
 from __future__ import annotations
 
 import os
-import shutil
-import tempfile
 
 import numpy as np
-import pytest
 import torch
 from mpi4py import MPI
 
@@ -17,23 +15,6 @@ from domainpar.io import files
 COMM = MPI.COMM_WORLD
 RANK, SIZE = COMM.Get_rank(), COMM.Get_size()
 MODES = ("mpio", "serial") if files.has_mpi() else ("serial",)
-
-
-@pytest.fixture(scope="module")
-def shared_dir():
-    """A directory every rank agrees on (made by rank 0), removed at the end."""
-    path = COMM.bcast(tempfile.mkdtemp(prefix="dp-io-") if RANK == 0 else None, root=0)
-    yield path
-    COMM.Barrier()
-    if RANK == 0:
-        shutil.rmtree(path, ignore_errors=True)
-
-
-@pytest.fixture(params=MODES)
-def mode(request):
-    """Each io mode in turn: mpio (when h5py has MPI) and the serial fallback."""
-    with files.forced_mode(request.param):
-        yield request.param
 
 
 _count = [0]

@@ -6,8 +6,9 @@
     python tests/run_mpi.py -n 2 --transport tcp tests/test_halo.py -k fill
 
 Rank 0 prints to the console. Ranks 1..N-1 write their output to
-build/test-logs/n<N>/rank<r>.log (n<N>-<transport>/ with --transport); when the run fails, the logs of the failing
-ranks are printed after rank 0's output, each under a header naming the rank.
+build/test-logs/n<N>/rank<r>.log (n<N>-<transport>/ with --transport); when the
+run fails, the logs of the failing ranks are printed after rank 0's output, each
+under a header naming the rank.
 Every rank also writes each test failure to its log as it happens (rank 0 to
 rank0.log), so the cause survives when the job is killed before pytest's
 end-of-run report. The last line printed is a one-line summary of the run.

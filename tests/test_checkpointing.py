@@ -6,8 +6,9 @@ that recomputes its block inside backward) and the non-reentrant one (saved
 tensor hooks). The loss, the input gradient and every parameter gradient equal
 one process's run of the same checkpointed model on the whole tensor (float64,
 1e-10), with the model as it is and wrapped in DomainParallel (whose deferred
-gradient reduction must also see the gradients of blocks recomputed in backward). Before the fix the reentrant form cut the graph on DomainTensors: the
-forward was right, every gradient upstream of a checkpointed block was None.
+gradient reduction must also see the gradients of blocks recomputed in backward).
+Before the fix the reentrant form cut the graph on DomainTensors: the forward was
+right, every gradient upstream of a checkpointed block was None.
 """
 from __future__ import annotations
 

@@ -8,6 +8,7 @@ batch dim sharded too). Every rank draws the same sample.
 """
 from __future__ import annotations
 
+import functools
 import random
 
 import pytest
@@ -56,9 +57,8 @@ def _conv_cases(n: int, seed: int = 5):
             padding = tuple(rng.choice((0, 1, 2)) for _ in range(nsp))
         if mode != "zeros" and padding == "same" and (dilation * (k - 1)) % 2:
             padding = 1  # torch pads asymmetric 'same' only with zeros
-        if not _valid(lambda: CONVS[nsp](4, 4, k, stride=stride, padding=padding,
-                                         dilation=dilation, groups=groups,
-                                         padding_mode=mode), nsp):
+        if not _valid(functools.partial(CONVS[nsp], 4, 4, k, stride=stride, padding=padding,
+                                        dilation=dilation, groups=groups, padding_mode=mode), nsp):
             continue
         for grid_ndim, kind, periodic, dims in _layouts(rng, nsp):
             if rng.random() < 0.25:  # a sample of the layouts per option set
@@ -117,9 +117,9 @@ def _conv_t_cases(n: int, seed: int = 5):
         groups = rng.choice((1, 2, 4))
         padding = rng.choice((0, 1, 2))
         out_pad = rng.randrange(max(stride, dilation))
-        if not _valid(lambda: CONVS_T[nsp](4, 4, k, stride=stride, padding=padding,
-                                           output_padding=out_pad, dilation=dilation,
-                                           groups=groups), nsp):
+        if not _valid(functools.partial(CONVS_T[nsp], 4, 4, k, stride=stride, padding=padding,
+                                        output_padding=out_pad, dilation=dilation, groups=groups),
+                      nsp):
             continue
         for grid_ndim, kind, periodic, dims in _layouts(rng, nsp):
             if rng.random() < 0.25:

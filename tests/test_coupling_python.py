@@ -65,9 +65,9 @@ def padded_array(grid, order, components, fill=np.nan):
         owned = owned[..., 0] if order == "F" else owned[0]
         lo, hi = LO, HI
         shape, axes = (nx, ny), None
-    extents = tuple(l + n + h for l, n, h in zip(lo, shape, hi))
+    extents = tuple(b + n + h for b, n, h in zip(lo, shape, hi))
     a = np.full(extents, fill, order=order)
-    a[tuple(slice(l, l + n) for l, n in zip(lo, shape))] = owned
+    a[tuple(slice(b, b + n) for b, n in zip(lo, shape))] = owned
     return a, dict(shape=shape, ghost_lo=lo, ghost_hi=hi, axes=axes)
 
 

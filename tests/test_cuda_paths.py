@@ -100,7 +100,7 @@ def test_ranks_bind_gpu_by_node_local_rank(gpus, expected, monkeypatch):
     monkeypatch.setattr(torch.cuda, "set_device", lambda i: used.append(("torch", i)))
     for local, want in enumerate(expected):
         used.clear()
-        monkeypatch.setattr(runtime, "local_rank", lambda: local)
+        monkeypatch.setattr(runtime, "local_rank", lambda local=local: local)
         assert runtime.bind_gpu() == want
         assert used == ([] if want is None else [("cupy", want), ("torch", want)])
 

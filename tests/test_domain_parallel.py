@@ -69,7 +69,8 @@ def test_training_matches_one_process(wrapped, kind, dtype):
     model = ChannelMLP().to(dtype)
     x = global_tensor((4, 3, 9, 5), dtype, seed=1)
     target = global_tensor((4, 2, 9, 5), dtype, seed=2)
-    extra = lambda m: 0.01 * (m.scale ** 2).sum()  # a parameter used on replicated values too
+    def extra(m):  # a parameter used on replicated values too
+        return 0.01 * (m.scale ** 2).sum()
     reference = train(copy.deepcopy(model), x, target, extra=extra)
     grid, shard, sizes = batch_domain_grid(kind)
     sharded = copy.deepcopy(model)

@@ -282,7 +282,7 @@ def test_bad_or_differing_roots(op):
     for bad in (SIZE, -1, 0.5):
         raises_on_every_rank(LayoutError,
                              [f"root {bad!r} is not a rank of the grid's {SIZE} processes"],
-                             lambda: call(bad), exact=True)
+                             lambda bad=bad: call(bad), exact=True)
     if SIZE > 1:
         root = 1 if ODD else 0
         raises_on_every_rank(MismatchError, [f"{op} ", "differ between ranks", "root=0", "root=1"],
@@ -318,6 +318,6 @@ def test_error_on_one_rank_does_not_desynchronise_the_next_collective():
     src, dst = layouts()
     for _ in range(5):
         a = block_of(src, extra=1 if ODD else 0)
-        raises_on_every_rank(LayoutError, ["block shape"], lambda: allgatherv(a, src), exact=True)
+        raises_on_every_rank(LayoutError, ["block shape"], lambda a=a: allgatherv(a, src), exact=True)
     glob = np.arange(35.0).reshape(5, 7)
     np.testing.assert_array_equal(allgatherv(glob[src.local_slices()], src), glob)

@@ -154,11 +154,11 @@ def test_advanced_index_on_sharded_dims_is_refused():
     for case in CASES:
         x = sharded(case)
         raises_on_every_rank(dp.UnsupportedOpError, ["Tensor.__getitem__", "dim 2"],
-                             lambda: x[:, :, torch.tensor([0, 3])])
-        raises_on_every_rank(dp.UnsupportedOpError, ["sharded dims [2]"], lambda: x[:, :, [1, 2]])
+                             lambda x=x: x[:, :, torch.tensor([0, 3])])
+        raises_on_every_rank(dp.UnsupportedOpError, ["sharded dims [2]"], lambda x=x: x[:, :, [1, 2]])
         raises_on_every_rank(dp.UnsupportedOpError, ["Tensor.__getitem__"],
-                             lambda: x[torch.ones(2, 5, dtype=torch.bool)])
-        raises_on_every_rank(dp.UnsupportedOpError, ["Tensor.__getitem__"], lambda: x[x > 0])
+                             lambda x=x: x[torch.ones(2, 5, dtype=torch.bool)])
+        raises_on_every_rank(dp.UnsupportedOpError, ["Tensor.__getitem__"], lambda x=x: x[x > 0])
 
 
 # -- assignment ---------------------------------------------------------------------------------
@@ -212,7 +212,7 @@ def test_setitem_with_index_tensor_is_refused():
     for case in CASES:
         x = sharded(case).detach()
         raises_on_every_rank(dp.UnsupportedOpError, ["Tensor.__setitem__"],
-                             lambda: x.__setitem__((slice(None), [0, 1]), 1.0))
+                             lambda x=x: x.__setitem__((slice(None), [0, 1]), 1.0))
 
 
 # -- split / chunk / unbind ------------------------------------------------------------------------
@@ -267,7 +267,7 @@ def test_roll_without_dims_is_refused_on_sharded_tensors():
     for case in CASES:
         x = sharded(case)
         raises_on_every_rank(dp.UnsupportedOpError, ["torch.roll", "dim 2"],
-                             lambda: torch.roll(x, 3))
+                             lambda x=x: torch.roll(x, 3))
 
 
 @pytest.mark.parametrize("case,dtype", COMBOS, ids=COMBO_IDS)

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 import domainpar as dp
 from domainpar.io import blocks, files
 from domainpar.testing import check_on_every_rank, raises_on_every_rank, shard_like
-from io_cases import COMM, MODES, RANK, SIZE, expected_padded, fresh, mode, shared_dir  # noqa: F401
+from io_cases import COMM, MODES, RANK, SIZE, expected_padded, fresh
 from tensor_cases import CASES, global_tensor, layout
 
 pytestmark = pytest.mark.mpi

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 import domainpar as dp
 from domainpar.testing import check_on_every_rank, raises_on_every_rank, shard_like
-from io_cases import COMM, RANK, SIZE, fresh, mode, shared_dir  # noqa: F401
+from io_cases import COMM, RANK, SIZE, fresh
 from tensor_cases import global_tensor, layout
 
 pytestmark = pytest.mark.mpi

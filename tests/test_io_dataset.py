@@ -9,7 +9,7 @@ import torch
 import domainpar as dp
 from domainpar.io import blocks
 from domainpar.testing import check_on_every_rank, raises_on_every_rank, shard_like
-from io_cases import COMM, SIZE, expected_padded, fresh, mode, shared_dir  # noqa: F401
+from io_cases import COMM, SIZE, expected_padded, fresh
 from tensor_cases import global_tensor, layout
 
 pytestmark = pytest.mark.mpi

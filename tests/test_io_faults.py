@@ -36,7 +36,7 @@ import domainpar as dp
 from domainpar import launch
 from domainpar.io import checkpoint
 from domainpar.testing import raises_on_every_rank, shard_like
-from io_cases import COMM, RANK, SIZE, fresh, mode, shared_dir  # noqa: F401
+from io_cases import COMM, RANK, SIZE, fresh
 from tensor_cases import global_tensor
 
 E = dp.io.DataError

@@ -24,7 +24,7 @@ import domainpar as dp
 from domainpar.comm import collectives
 from domainpar.testing import adjoint_error, assert_matches_single_process, check_on_every_rank, shard_like
 from domainpar.testing.layouts import block_sizes
-from io_cases import fresh, mode, shared_dir  # noqa: F401
+from io_cases import fresh
 from layouts import global_array, reference_fill
 from tensor_cases import RANK, SIZE, global_tensor
 from test_domain_parallel import ChannelMLP, assert_same_parameters, train

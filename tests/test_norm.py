@@ -227,7 +227,7 @@ def test_running_stats_after_steps(name, make, order, grid_ndim, kind, dtype):
     tol = dict(rtol=1e-12, atol=1e-14) if dtype == torch.float64 else dict(rtol=1e-5, atol=1e-6)
     for (bname, got), (_, want) in zip(mine.named_buffers(), ref.named_buffers()):
         assert _identical_on_every_rank(got), f"{bname} differs between ranks"
-        torch.testing.assert_close(got, want, **tol, msg=lambda m: f"{bname}: {m}")
+        torch.testing.assert_close(got, want, **tol, msg=lambda m, bname=bname: f"{bname}: {m}")
     ref.eval()
     mine.eval()
     x = global_tensor(shape, dtype, seed=20)

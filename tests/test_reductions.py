@@ -96,7 +96,7 @@ def test_max_min_along_a_dim_values_and_indices(op, dim, grid_ndim, kind):
     grid, shard, sizes = layout(SHAPE, SHARD_DIMS, grid_ndim, kind)
     t = global_tensor(SHAPE, seed=4)
     for keepdim in (False, True):
-        def values(x):
+        def values(x, keepdim=keepdim):
             return getattr(x, op)(dim, keepdim).values * 2
         assert_matches_single_process(values, t, grid, shard, sizes=sizes)
     x = dp.DomainTensor(t[dp.Decomposition(SHAPE, grid, shard, sizes).local_slices()],

@@ -188,7 +188,7 @@ def test_torch_errors_on_every_rank():
                {"size": 4, "mode": "bilinear", "recompute_scale_factor": True},
                {"scale_factor": 2, "mode": "nearest", "antialias": True}):
         raises_on_every_rank((ValueError, RuntimeError, NotImplementedError), "",
-                             lambda: F.interpolate(x, **kw))
+                             lambda kw=kw: F.interpolate(x, **kw))
 
 
 # -- serial: the taps themselves --------------------------------------------------------------
@@ -235,4 +235,4 @@ def test_taps_reproduce_torch(dtype):
             index, weight = resample.local_taps(t, 0, m, 0, out.shape[d], dtype, "cpu")
             out = resample.apply_taps(out, d, index, weight)
         torch.testing.assert_close(out, F.interpolate(x, **kw), rtol=tol[0], atol=tol[1],
-                                   msg=lambda m: f"{shape} {kw}: {m}")
+                                   msg=lambda m, shape=shape, kw=kw: f"{shape} {kw}: {m}")

@@ -218,7 +218,7 @@ def test_from_local_dims_that_differ_raise_mismatch():
              (torch.zeros(2, 4 if odd else 3, dtype=torch.float64), "dim 1 is not sharded")]
     for block, match in cases:
         raises_on_every_rank(dp.MismatchError, match,
-                             lambda: dp.DomainTensor.from_local(block, grid, {0: 0}))
+                             lambda block=block: dp.DomainTensor.from_local(block, grid, {0: 0}))
 
 
 # -- item 6: one rank failing ends the job without dp.init() ---------------------------------------

@@ -39,6 +39,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import ctypes
+import functools
 import gc
 import importlib
 import os
@@ -86,6 +87,7 @@ class SmallUNet(torch.nn.Module):
                                  nn.Conv3d(width, channels, 1))
 
     def forward(self, x):
+        """Local. Encoder block, one down-up level, and the skip joined back in."""
         skip = self.enc(x)
         return self.dec(torch.cat([self.up(self.mid(self.down(skip))), skip], 1))
 
@@ -105,6 +107,7 @@ def _problem(factory, shape, grid, train: bool):
     """Build a model and input (on ``grid``: this rank's block only; None: the
     whole tensor, plain torch); returns (a function running one step, model)."""
     import domainpar as dp
+
     from ..comm import Decomposition
     torch.manual_seed(0)
     model = factory()
@@ -327,7 +330,7 @@ def _time_cases(args, comm, grid) -> dict:
                     "one_process": _profile(comm, single, collective=False)}
         from ..comm import Decomposition
         local_shape = Decomposition(shape, grid, {SHARDED_DIM: 0}).local_shape()
-        probe = on_rank0(comm, lambda: _split_probe(conv, local_shape, args.probe_repeats))
+        probe = on_rank0(comm, functools.partial(_split_probe, conv, local_shape, args.probe_repeats))
         report[name] = {"shape": list(shape), "local_shape": list(local_shape),
                         "samples": samples, "profile": profiles, "split_probe": probe}
     return report
@@ -378,6 +381,7 @@ def _memory_worker(args) -> dict:
     import resource
 
     import domainpar as dp  # noqa: F401  (loads the op rules before the baseline)
+
     from ..comm import ProcessGrid, init
     comm = init()
     size = comm.Get_size()

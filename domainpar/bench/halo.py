@@ -24,7 +24,8 @@ from __future__ import annotations
 import math
 import os
 import platform
-from typing import Callable, NamedTuple
+from collections.abc import Callable
+from typing import NamedTuple
 
 import numpy as np
 from mpi4py import MPI

@@ -60,6 +60,8 @@ class SetAbstraction(torch.nn.Module):
                                        torch.nn.Linear(width, width))
 
     def forward(self, pos, feat, centers):
+        """Collective (the ball query searches across ranks). Features of the
+        ``centers``' neighbourhoods in ``pos``, max-pooled."""
         import domainpar as dp
         idx, _ = dp.points.radius_search(centers, pos, self.radius, self.group)
         idx = torch.where(idx < 0, idx[:, :1], idx)

@@ -58,6 +58,7 @@ def ratios(b: Mapping[str, float], a: Mapping[str, float]) -> dict[str, float]:
 
 
 def median(values) -> float:
+    """Local. The median of ``values``."""
     return statistics.median(values)
 
 

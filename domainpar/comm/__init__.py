@@ -6,6 +6,6 @@ from .grid import ProcessGrid
 from .halo import HaloExchange
 from .runtime import capabilities, cuda_aware_mpi, init, local_rank
 
-__all__ = ["allgatherv", "allreduce", "bcast", "iallreduce", "gatherv", "repartition", "scatterv", "Decomposition",
-           "balanced_sizes", "DomainparError", "LayoutError", "MismatchError", "ProcessGrid",
+__all__ = ["allgatherv", "allreduce", "bcast", "iallreduce", "gatherv", "repartition", "scatterv",
+           "Decomposition", "balanced_sizes", "DomainparError", "LayoutError", "MismatchError", "ProcessGrid",
            "HaloExchange", "capabilities", "cuda_aware_mpi", "init", "local_rank"]

@@ -177,6 +177,8 @@ class PendingReduction:
 
     @blocking
     def wait(self) -> None:
+        """Collective (completes the reduction every rank of ``comm`` started). Block
+        until it is complete and the result is in the caller's array."""
         self.request.Wait()
         if self._wire is not self._arr:
             _copy_back(self._wire, self._arr)
@@ -417,6 +419,9 @@ class PendingShift:
 
     @blocking
     def wait(self) -> None:
+        """Neighbour-wise collective (completes the shift the ring neighbours started).
+        Block until every message has arrived and staged receives are copied back to
+        the device."""
         if self.requests:
             MPI.Request.Waitall(self.requests)
         for wire, arr in self._staged:

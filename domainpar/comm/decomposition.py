@@ -198,6 +198,7 @@ class Decomposition:
     # -- queries (local) -----------------------------------------------------------
     @property
     def ndim(self) -> int:
+        """Local. The number of tensor dims."""
         return len(self.global_shape)
 
     def _dim(self, dim: int) -> int:

@@ -133,6 +133,7 @@ class ProcessGrid:
     # -- queries -----------------------------------------------------------------
     @property
     def ndim(self) -> int:
+        """Local. The number of grid axes."""
         return len(self.dims)
 
     def coords_of(self, rank: int) -> tuple[int, ...]:

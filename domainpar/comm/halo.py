@@ -25,7 +25,7 @@ import collections
 import dataclasses
 import os
 import time
-from typing import Mapping
+from collections.abc import Mapping
 
 import numpy as np
 from mpi4py import MPI
@@ -120,9 +120,9 @@ class HaloExchange:
             raise LayoutError(problem)
         self.lo = tuple(self.width.get(d, (0, 0))[0] for d in range(dec.ndim))
         self.hi = tuple(self.width.get(d, (0, 0))[1] for d in range(dec.ndim))
-        self.padded_shape = tuple(n + l + h for n, l, h in
+        self.padded_shape = tuple(n + lo + h for n, lo, h in
                                   zip(dec.local_shape(), self.lo, self.hi))
-        self.owned = tuple(slice(l, l + n) for l, n in zip(self.lo, dec.local_shape()))
+        self.owned = tuple(slice(lo, lo + n) for lo, n in zip(self.lo, dec.local_shape()))
         self._rounds = self._plan_rounds()
         self._plans: dict = {}
 

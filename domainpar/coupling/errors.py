@@ -132,6 +132,9 @@ class Stage:
         self.problem: tuple[int, str] | None = None
 
     def run(self, default: int, fn, *args, **kwargs):
+        """Local. ``fn(*args, **kwargs)``, unless an earlier step failed; a failure is
+        remembered (its code, or ``default`` for an exception that is not a
+        CouplingError) and gives None."""
         if self.problem is not None:
             return None
         try:
@@ -146,6 +149,7 @@ class Stage:
         return None
 
     def fail(self, code: int, message: str) -> None:
+        """Local. Remember a failure with ``code`` and ``message`` (the first one wins)."""
         if self.problem is None:
             self.problem = (code, message)
 

@@ -105,7 +105,7 @@ class Field:
                 any(a < -1 for a in self.axes):
             raise CouplingError(ARGUMENT, f"axes {self.axes}: each of the grid's {gdim} axes "
                                           f"must cut exactly one dim; -1 marks the component dim")
-        self.extents = tuple(l + n + h for l, n, h in zip(self.lo, self.shape, self.hi))
+        self.extents = tuple(lo + n + h for lo, n, h in zip(self.lo, self.shape, self.hi))
         if not address and math.prod(self.extents) > 0:
             raise CouplingError(ARGUMENT, f"null pointer for the data of a field of "
                                           f"{math.prod(self.extents)} elements (extents "
@@ -137,7 +137,7 @@ class Field:
         whole = (torch.from_numpy(self.storage) if isinstance(self.storage, np.ndarray)
                  else torch.from_dlpack(self.storage))
         logical = whole.permute(*reversed(range(whole.ndim))) if self.order else whole
-        owned = logical[tuple(slice(l, l + n) for l, n in zip(self.lo, self.shape))]
+        owned = logical[tuple(slice(lo, lo + n) for lo, n in zip(self.lo, self.shape))]
         # Channels first, then the spatial dims in grid-axis order: a view.
         spatial = sorted((a, d) for d, a in enumerate(self.axes) if a >= 0)
         components = [d for d, a in enumerate(self.axes) if a < 0]

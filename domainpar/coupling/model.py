@@ -121,6 +121,9 @@ class Model:
     @classmethod
     def load(cls, grid: ProcessGrid, entry: str, kwargs_json: str | None,
              options_json: str | None) -> Model:
+        """Collective over ``grid``. The model from factory ``entry`` (``module:function``)
+        called with ``kwargs_json``, wrapped in DomainParallel, with the optimizer and
+        loss of ``options_json``; a problem on any rank raises on every rank."""
         from ..nn import DomainParallel
         stage = Stage(grid.comm)
         self = cls.__new__(cls)

@@ -57,6 +57,8 @@ class Blockwise(torch.nn.Module):
             self._summed = True
 
     def forward(self, x):
+        """Neighbour-wise collective (the halo exchange of the input block). The
+        TorchScript model run on this rank's block padded by its neighbours' ghost cells."""
         from ..tensor import DomainTensor
         dec = x.decomposition
         self._sum_gradients_over(dec.grid.comm)

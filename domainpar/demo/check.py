@@ -207,8 +207,8 @@ def check(model: torch.nn.Module, crop: torch.Tensor, grid: dp.ProcessGrid, shar
         ref_model = _converted(model, dtype).train()
         # The one-process run is rank 0's only: the others wait (asleep) meanwhile.
         with _precision(dtype):
-            on_rank0(comm, lambda: want.__setitem__(dtype,
-                                                    _one_process(ref_model, crop.to(dtype))))
+            on_rank0(comm, lambda dtype=dtype, ref_model=ref_model: want.__setitem__(
+                dtype, _one_process(ref_model, crop.to(dtype))))
             got[dtype] = _sharded(_converted(model, dtype).train(), crop.to(dtype), grid,
                                   shard, sizes)
 

@@ -39,6 +39,7 @@ class Spec:
 
     @property
     def solver_steps(self) -> int:
+        """Local. Solver steps of all trajectories: warm-up plus the steps between pairs."""
         return self.trajectories * (self.warmup + self.pairs * self.every)
 
 

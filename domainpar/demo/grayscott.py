@@ -41,6 +41,7 @@ class Params:
     dt: float = 1.0
 
     def as_dict(self) -> dict:
+        """Local. The parameters as a plain dict (for JSON)."""
         return asdict(self)
 
 

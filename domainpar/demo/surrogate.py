@@ -42,6 +42,8 @@ class Surrogate(nn.Module):
         nn.init.zeros_(self.unet.head.bias)
 
     def forward(self, x):
+        """Collective when ``x`` is a DomainTensor (the UNet's halos). The next state:
+        ``x`` plus the UNet's increment."""
         return x + self.unet(x)
 
 

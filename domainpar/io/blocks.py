@@ -31,6 +31,7 @@ class Piece:
 
     @property
     def empty(self) -> bool:
+        """Local. Whether the box holds no cells."""
         return 0 in self.count
 
 

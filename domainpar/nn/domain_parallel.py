@@ -39,8 +39,9 @@ Agreement, so that ranks whose graphs differ never hang or diverge:
   communicators, so no half-finished reduction can match a new one.
 Limits: the grid's sub-communicators are made at wrap time; a parameter used on
 some ranks only, on tensors of *another* grid whose sub-communicator was never
-used on every rank, makes it (collective) on those ranks only and hangs. A rank whose backward never reaches the model (no gradient flows into its
-output) never finishes the step, and the others wait for it.
+used on every rank, makes it (collective) on those ranks only and hangs. A rank
+whose backward never reaches the model (no gradient flows into its output) never
+finishes the step, and the others wait for it.
 """
 from __future__ import annotations
 
@@ -118,6 +119,9 @@ class DomainParallel(torch.nn.Module):
         self._reducer = _Reducer(named, grid.comm, subs, int(bucket_cap_mb * 2**20), overlap)
 
     def forward(self, *args, **kwargs):
+        """Collective. The wrapped module's forward with parameter gradients deferred
+        to this wrapper's bucketed allreduces; if the module raises on any rank, every
+        rank raises (the others a PeerForwardError)."""
         self._reducer.begin_forward()
         token = domain_params.set_deferrer(self._reducer.deferral)
         try:

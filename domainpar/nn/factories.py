@@ -265,8 +265,8 @@ def _plain_call(args, kwargs) -> bool:
 
 def _pending(func, args, kwargs, spec, seen: dict) -> torch.Tensor:
     """Local. A PendingTensor for the factory call (torch parses its arguments on
-    the meta device: shape, dtype, as the modes below this one leave them), or the call's plain result when it cannot
-    be deferred (a size that does not parse, ...)."""
+    the meta device: shape, dtype, as the modes below this one leave them), or the
+    call's plain result when it cannot be deferred (a size that does not parse, ...)."""
     kind, fill_at = spec
     meta_kwargs = {k: v for k, v in kwargs.items()
                    if k not in ("device", "pin_memory", "requires_grad")}

@@ -54,7 +54,10 @@ def onto(a: Any, out_dec: Decomposition) -> Any:
     """Operand ``a`` as this rank's local tensor for an output laid out by ``out_dec``."""
     if isinstance(a, DomainTensor):
         dims = aligned_dims(a, out_dec)
-        target = layout.derive(out_dec, a._dec.global_shape,  # on out_dec's grid
+        # On out_dec's grid when it is merged from a's (or a's from it); otherwise
+        # a's own grid, which has out_dec's axes (same_grid checked the two).
+        merged = a._dec.grid is not out_dec.grid and a._dec.grid.root is out_dec.grid.root
+        target = layout.derive(out_dec if merged else a._dec, a._dec.global_shape,
                                {ad: out_dec.shard[od] for ad, od in dims.items()},
                                {ad: out_dec.block_sizes(od) for ad, od in dims.items()})
         local = ag.repartition(a._local, a._dec, target)
@@ -84,6 +87,7 @@ def wrap(func: Any, out: Any, out_dec: Decomposition) -> Any:
 
 
 def first_domain_tensor(args, kwargs=None) -> DomainTensor:
+    """Local. The first DomainTensor among ``args`` and ``kwargs``."""
     return domain_tensors(args, kwargs)[0]
 
 

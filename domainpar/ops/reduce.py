@@ -84,10 +84,12 @@ def _keep_shape(local: torch.Tensor, dims) -> list[int]:
 
 
 def lowest(dtype):
+    """Local. The identity of max for ``dtype``: -inf, or the integer type's minimum."""
     return -math.inf if dtype.is_floating_point else torch.iinfo(dtype).min
 
 
 def highest(dtype):
+    """Local. The identity of min for ``dtype``: inf, or the integer type's maximum."""
     return math.inf if dtype.is_floating_point else torch.iinfo(dtype).max
 
 
@@ -129,6 +131,8 @@ def global_first_index(values, best, indices, comm: MPI.Comm, last_nan: bool = F
 
 # -- sum, mean -------------------------------------------------------------------------------
 def global_sum(x: DomainTensor, dims, keepdim=False, dtype=None):
+    """Collective over the axes that cut ``dims`` (allreduce). The sum of ``x`` over
+    ``dims``, replicated on those axes."""
     part = x._local.sum(dim=dims, keepdim=True, dtype=dtype)
     return _finish(x, _combine_sum(part, _comm(x, dims)), dims, keepdim)
 
@@ -285,6 +289,8 @@ def global_flat_index(flat: torch.Tensor, local_shape, offsets, global_shape) ->
 
 # -- var, std ---------------------------------------------------------------------------------
 def global_var(x: DomainTensor, dims, correction, keepdim: bool):
+    """Collective over the axes that cut ``dims`` (two allreduces: the mean, then the
+    squared deviations). The variance over ``dims`` with Bessel's ``correction``."""
     local, comm = x._local, _comm(x, dims)
     count = math.prod(x.shape[d] for d in dims)
     mean = _combine_sum(local.sum(dim=dims, keepdim=True), comm) / count
@@ -337,6 +343,8 @@ def _var_std(func, args, kwargs):
 
 # -- norms --------------------------------------------------------------------------------------
 def global_vector_norm(x: DomainTensor, ord, dims, keepdim: bool, dtype=None):
+    """Collective over the axes that cut ``dims`` (allreduce). The ``ord``-norm of
+    ``x`` over ``dims``, computed in ``dtype`` when given."""
     local = x._local if dtype is None else x._local.to(dtype)
     if ord in (math.inf, -math.inf):
         ax = DomainTensor(local.abs(), x._dec)

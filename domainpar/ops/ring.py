@@ -71,6 +71,9 @@ RING_WAIT = _WaitClock()
 # -- the per-rank plan ---------------------------------------------------------------------------
 @dataclasses.dataclass
 class RingSpec:
+    """Local. One rank's plan for ring attention: the softmax scale and causality,
+    the GQA grouping, where its query rows and each k/v block start globally, its
+    coordinate on the k/v axis, and whether k/v blocks travel the ring."""
     scale: float
     causal: bool
     groups: int          # GQA: query heads per k/v head
@@ -268,23 +271,23 @@ def _block_forward(q, k, v, spec: RingSpec, src: int, out, lse, pending):
         else (k, v)
     for rows, cols, causal, mask in _work(spec, q, k, src):
         if spec.flash:
-            o, l = _FLASH(q[:, :, rows], ke[:, :, cols], ve[:, :, cols], 0.0, causal,
-                          attn_mask=mask, scale=spec.scale)
+            o, o_lse = _FLASH(q[:, :, rows], ke[:, :, cols], ve[:, :, cols], 0.0, causal,
+                              attn_mask=mask, scale=spec.scale)
             if mask is not None:  # torch's kernel gives rows it cannot see lse 0, not -inf
-                l = torch.where(torch.isneginf(mask).all(-1), _NEG_INF, l)
+                o_lse = torch.where(torch.isneginf(mask).all(-1), _NEG_INF, o_lse)
         else:
-            o, l = _math_forward(q[:, :, rows], k[:, :, cols], v[:, :, cols], causal, mask,
-                                 spec)
-        _merge(out[:, :, rows], lse[:, :, rows], o, l)
+            o, o_lse = _math_forward(q[:, :, rows], k[:, :, cols], v[:, :, cols], causal, mask,
+                                     spec)
+        _merge(out[:, :, rows], lse[:, :, rows], o, o_lse)
         if pending is not None:
             pending.test()
 
 
-def _merge(out, lse, o, l):
-    """Online softmax: (out, lse) of the rows so far and (o, l) of new keys, in place."""
-    new = torch.logaddexp(lse, l)
+def _merge(out, lse, o, o_lse):
+    """Online softmax: (out, lse) of the rows so far and (o, o_lse) of new keys, in place."""
+    new = torch.logaddexp(lse, o_lse)
     safe = torch.where(torch.isneginf(new), 0.0, new)
-    out.mul_(torch.exp(lse - safe).unsqueeze(-1)).add_(o * torch.exp(l - safe).unsqueeze(-1))
+    out.mul_(torch.exp(lse - safe).unsqueeze(-1)).add_(o * torch.exp(o_lse - safe).unsqueeze(-1))
     lse.copy_(new)
 
 

@@ -145,7 +145,8 @@ def reorder(func, args, kwargs):
 
 def _attribute_reorder(name):
     def rule(x):
-        getter = (lambda t: getattr(t, name))
+        def getter(t):
+            return getattr(t, name)
         return _reorder(getter, x, (x,), {}, getter)
     return rule
 

@@ -59,6 +59,7 @@ def rows() -> list[tuple[str, str, str]]:
 
 
 def markdown() -> str:
+    """Local. The op table (family, ops, semantics) as Markdown between its markers."""
     lines = [BEGIN,
              "| family | ops | semantics and supported options |",
              "|---|---|---|"]
@@ -76,6 +77,7 @@ def replace_in(text: str) -> str:
 
 
 def main(argv=None) -> int:
+    """Local. ``domainpar ops``: print the op table, or rewrite it in ``--write FILE``."""
     parser = argparse.ArgumentParser(
         prog="domainpar ops", description="Print the table of torch ops that work on "
         "DomainTensors, generated from the dispatch table, or rewrite it in a file.")

@@ -35,7 +35,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
-from typing import Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 import torch
@@ -142,7 +142,7 @@ def exchange(dec: Decomposition, widths: Mapping[int, tuple[int, int]],
 
 
 def out_layout(dec: Decomposition, out_shape: Sequence[int],
-               sizes: Mapping[int, "AxisPlan | Sequence[int]"] | None = None) -> Decomposition:
+               sizes: Mapping[int, AxisPlan | Sequence[int]] | None = None) -> Decomposition:
     """A windowed op's output layout: the input's sharding carried over, with the
     block sizes of ``sizes`` (``{dim: AxisPlan or block sizes}``) where given and
     the input's elsewhere. Derived alike on every rank, no message."""

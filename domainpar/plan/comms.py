@@ -53,6 +53,7 @@ class Event:
     seconds: float = 0.0            # the call's wall time, as recorded
 
     def as_dict(self) -> dict:
+        """Local. The event as JSON-ready data (int dict keys as strings)."""
         d = asdict(self)
         d["shard"] = {str(k): v for k, v in self.shard.items()}
         for key in ("dst_shard", "sizes", "dst_sizes"):
@@ -61,6 +62,7 @@ class Event:
 
     @classmethod
     def from_dict(cls, d: dict) -> Event:
+        """Local. The event that ``as_dict`` gave ``d``."""
         d = dict(d)
         for key in ("shard", "dst_shard", "sizes", "dst_sizes"):
             d[key] = {int(k): (tuple(v) if isinstance(v, list) else v)
@@ -189,9 +191,11 @@ class Where:
 
     @property
     def size(self) -> int:
+        """Local. The number of ranks of the grid."""
         return math.prod(self.dims)
 
     def extent(self, shape: Sequence[int], d: int) -> int:
+        """Local. Dim ``d`` of ``shape`` scaled as on this grid (at least 1 unless empty)."""
         s = self.scale[d] if d < len(self.scale) else 1.0
         return max(1, round(shape[d] * s)) if shape[d] else 0
 

@@ -54,6 +54,7 @@ class Grid:
 
     @property
     def size(self) -> int:
+        """Local. The number of ranks of the grid."""
         return math.prod(self.ranks)
 
     @property
@@ -71,6 +72,7 @@ class Grid:
 
     @property
     def uneven(self) -> bool:
+        """Local. Whether some sharded dim does not divide evenly over its ranks."""
         return any(self.shape[d] % p for d, p in zip(self.dims, self.ranks))
 
     def too_small(self, min_block: int) -> tuple[int, ...]:

@@ -203,6 +203,7 @@ class Point:
     seconds: float
 
     def as_dict(self) -> dict:
+        """Local. The measurement as a plain dict (for JSON)."""
         return asdict(self)
 
 

@@ -46,6 +46,7 @@ class Fit:
     residuals: list[float] = field(default_factory=list)
 
     def predict(self, cells: int, faces: int) -> float:
+        """Local. The fitted peak bytes of a block of ``cells`` cells and ``faces`` halo faces."""
         value = self.coef[0] + self.coef[1] * cells
         return value + (self.coef[2] * faces if len(self.coef) > 2 else 0.0)
 
@@ -58,6 +59,7 @@ class Fit:
         return f"peak = {' + '.join(parts)} (R^2 {self.r2:.5f})"
 
     def as_dict(self) -> dict:
+        """Local. The fit as JSON-ready data: terms, R^2, residuals."""
         return {"terms": dict(zip(TERMS, self.coef)), "r2": self.r2,
                 "residuals_bytes": self.residuals}
 

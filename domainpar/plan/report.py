@@ -26,12 +26,16 @@ MODES = ("train", "inference")
 
 @dataclass
 class Estimate:
+    """Local. A candidate grid's estimated peak memory per rank (bytes) for training
+    and for inference, and the sharded dims whose blocks would be too small."""
     grid: Grid
     train: float
     inference: float
     too_small: tuple[int, ...]
 
     def fits(self, budget: float | None, mode: str = "train") -> bool | None:
+        """Local. Whether ``mode``'s peak fits ``budget`` bytes with no block too small;
+        None without a budget."""
         if budget is None:
             return None
         return not self.too_small and getattr(self, mode) <= budget
@@ -44,6 +48,7 @@ class Estimate:
                 tuple(-p for p in self.grid.ranks))
 
     def as_dict(self, budget: float | None) -> dict:
+        """Local. The estimate as JSON-ready data, judged against ``budget``."""
         return {"ranks": self.grid.size, "grid": list(self.grid.ranks),
                 "shard": {str(d): a for d, a in self.grid.shard().items()},
                 "block": list(self.grid.block), "train_bytes": self.train,
@@ -92,6 +97,7 @@ def best_per_count(shape, dims, max_ranks: int, fits, min_block: int,
 
 
 def smallest_fit(rows: Sequence[Estimate], budget: float, mode: str) -> Estimate | None:
+    """Local. The first of ``rows`` (in the order given) that fits ``budget`` in ``mode``."""
     return next((r for r in rows if r.fits(budget, mode)), None)
 
 

@@ -36,6 +36,9 @@ def shard_dims(shape, dims) -> tuple[int, ...]:
 
 
 def run(args) -> int:
+    """Collective (it measures on every rank of the job). ``domainpar plan``: measure
+    the model's peak memory on growing blocks, fit it, estimate each grid, print
+    the report; returns the exit status."""
     from ..comm import init
     init()
     shape = tuple(args.shape)

@@ -52,9 +52,11 @@ class Network:
 
     @property
     def small(self) -> float:
+        """Local. Seconds of one step of a small allreduce."""
         return self.allreduce_small_s if self.allreduce_small_s else 2 * self.latency_s
 
     def as_dict(self) -> dict:
+        """Local. The network as a plain dict (for JSON)."""
         return asdict(self)
 
 
@@ -72,10 +74,12 @@ class Machine:
     host_rate: float = 1.0
 
     def oversubscription(self, ranks: int) -> float:
+        """Local. How many ranks share each core when ``ranks`` run (at least 1)."""
         per_node = min(ranks, self.ranks_per_node or ranks)
         return max(1.0, per_node / self.cores)
 
     def as_dict(self) -> dict:
+        """Local. The machine, its network included, as a plain dict (for JSON)."""
         return {**asdict(self), "network": self.network.as_dict()}
 
 

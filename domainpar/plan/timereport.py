@@ -87,6 +87,7 @@ def validate(ranks=(1, 2, 3, 4), transports=("default", "tcp"), rounds: int = 2,
 
 
 def validation_table(rows) -> str:
+    """Local. Predicted against measured step times, as a Markdown table."""
     head = ("model", "ranks", "transport", "predicted", "measured", "error")
     body = [(r["model"], str(r["ranks"]), "shm" if r["transport"] == "default" else r["transport"],
              f"{r['predicted_s'] * 1e3:.1f} ms", f"{r['measured_s'] * 1e3:.1f} ms",
@@ -138,6 +139,7 @@ def _cubic(p: int) -> tuple[int, int, int]:
 
 
 def breakdown_table(rows) -> str:
+    """Local. Each grid's predicted step time by category, as a Markdown table."""
     head = ("ranks", "grid", "step") + CATEGORIES
     body = [(str(r["ranks"]), "x".join(map(str, r["grid"])), _ms(r["step"]),
              *(_ms(r[k]) for k in CATEGORIES)) for r in rows]
@@ -145,6 +147,7 @@ def breakdown_table(rows) -> str:
 
 
 def projection_text(result) -> str:
+    """Local. The strong- and weak-scaling projections as text with tables."""
     lines = []
     for key, rows in result["strong"].items():
         base = rows[0]["step"]

@@ -90,6 +90,7 @@ class Partition:
         return Partition(coords, dest.numpy().astype(np.int64), self.regions.numpy())
 
     def __call__(self, *tensors):
+        """Collective. ``apply`` to each of ``tensors``; one tensor gives one result."""
         out = tuple(self.apply(t) for t in tensors)
         return out[0] if len(out) == 1 else out
 

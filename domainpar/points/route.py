@@ -54,6 +54,7 @@ class Route:
 
     @property
     def n_recv(self) -> int:
+        """Local. The number of items this rank receives."""
         return int(sum(self.recv_counts))
 
     def send(self, rows: torch.Tensor) -> torch.Tensor:

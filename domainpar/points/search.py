@@ -12,9 +12,10 @@ halos larger). Each rank:
    and counts (the nearest boxes that together hold k points), so a rank with
    few or no reference points still gets a finite reach;
 2. receives the point halo: from every other rank, the reference points
-   within reach of its queries, judged on a summary (its queries binned into
-   up to 4**D cells, each a box with its largest reach): one allgather of the
-   summaries, one routed exchange of coordinates and global indices;
+   within reach of its queries, judged on a summary (its queries binned by
+   cell of a 4**D grid and by octave of reach, each bin a box with its largest
+   reach): one allgather of the summaries, one routed exchange of coordinates
+   and global indices;
 3. refines: the exact search over its own and the halo's points.
 
 Results equal one process's: distances are ``sqrt(sum((q - p)**2))``, the
@@ -37,7 +38,7 @@ from .route import Route, fetch, push
 
 CHUNK = 1024   # queries per distance block (memory: a few CHUNK x candidates)
 _SLACK = 1e-9  # relative margin on the reach: a halo may only be too large
-CELLS = 4      # a rank's queries are summarised as up to CELLS**D boxes with their reach
+CELLS = 4      # a rank's queries are summarised per cell of a CELLS**D grid (and reach octave)
 
 
 def knn(query: DomainTensor, ref: DomainTensor, k: int):
@@ -155,8 +156,10 @@ def _d2(q, c):
 
 
 def _summary(q, reach: np.ndarray, cells: int = CELLS) -> list:
-    """Local. This rank's queries as at most ``cells**D`` boxes, each with the
-    largest squared reach of its queries (a cell grid over their bounding box)."""
+    """Local. This rank's queries as boxes, each with the largest squared reach
+    of its queries: grouped by cell (a ``cells**D`` grid over their bounding box)
+    and by octave of reach, so that the few far-reaching queries of a sparse
+    region do not lend their reach to the dense cluster beside them."""
     if q.shape[0] == 0:
         return []
     x = q.detach().to("cpu", torch.float64).numpy()
@@ -164,8 +167,11 @@ def _summary(q, reach: np.ndarray, cells: int = CELLS) -> list:
     cell = np.clip(((x - lo) / np.where(hi > lo, hi - lo, 1) * cells).astype(np.int64),
                    0, cells - 1)
     flat = np.ravel_multi_index(cell.T, (cells,) * x.shape[1])
-    return [(x[flat == c].min(0), x[flat == c].max(0), float(reach[flat == c].max()))
-            for c in np.unique(flat)]
+    with np.errstate(divide="ignore"):  # a reach of 0 (a duplicate point) is bucket 0
+        octave = np.clip(np.floor(np.log2(reach)) + 64, 0, 127).astype(np.int64)
+    key = flat * 128 + octave  # queries of one cell and one octave of reach together
+    return [(x[key == c].min(0), x[key == c].max(0), float(reach[key == c].max()))
+            for c in np.unique(key)]
 
 
 def _halo(comm, q, r_block, reach: np.ndarray):

@@ -75,6 +75,7 @@ def register_attribute(*names: str) -> Callable[[Callable], Callable]:
 
 
 def has_rule(func: Any) -> bool:
+    """Local. Whether ``func`` has a rule in the dispatch table."""
     return func in _RULES
 
 
@@ -107,6 +108,7 @@ def allow_gather() -> Iterator[None]:
 
 
 def op_name(func: Any) -> str:
+    """Local. ``func``'s name as error messages give it (``Tensor.x``, ``F.x``, ``torch.x``)."""
     name = getattr(func, "__name__", None) or repr(func)
     owner = getattr(func, "__objclass__", None) or getattr(func, "__self__", None)
     if isinstance(owner, type):
@@ -163,6 +165,10 @@ def unsupported(func: Any, args, kwargs, why: str | None = None) -> UnsupportedO
 
 # -- the entry point -------------------------------------------------------------------------
 def handle(func, types, args=(), kwargs=None):
+    """Collective when the op's rule is. DomainTensor's ``__torch_function__``: run
+    ``func``'s rule; without one, gather and run it whole inside ``allow_gather()``,
+    else raise UnsupportedOpError (the same on every rank), as for a write into an
+    alias it cannot follow."""
     kwargs = kwargs or {}
     name = getattr(func, "__name__", "")
     if name in ("__get__", "__set__", "__delete__"):

@@ -132,6 +132,7 @@ class DomainTensor(torch.Tensor):
 
     @property
     def grid(self) -> ProcessGrid:
+        """Local. The process grid the tensor is sharded over."""
         return self._dec.grid
 
     def to_local(self) -> torch.Tensor:

@@ -84,6 +84,7 @@ def comm_of(dec: Decomposition, dims: Sequence[int]):
 
 
 def sharded_dims_text(dec: Decomposition) -> str:
+    """Local. ``dec``'s sharded dims, their sizes and grid axes, for messages."""
     if not dec.shard:
         return "no sharded dims"
     return ", ".join(f"dim {d} (size {dec.global_shape[d]}) over {_axes_text(dec.grid, a)}"

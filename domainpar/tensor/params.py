@@ -30,10 +30,13 @@ _DEFERRER: contextvars.ContextVar[Callable | None] = contextvars.ContextVar(
 
 
 def set_deferrer(deferrer: Callable | None) -> contextvars.Token:
+    """Local. Make ``deferrer`` the active one (DomainParallel's forward); returns the
+    token for ``reset_deferrer``."""
     return _DEFERRER.set(deferrer)
 
 
 def reset_deferrer(token: contextvars.Token) -> None:
+    """Local. Restore the deferrer that was active before ``set_deferrer`` gave ``token``."""
     _DEFERRER.reset(token)
 
 

@@ -36,6 +36,8 @@ class ConvBlock(nn.Module):
         self.act = nn.GELU()
 
     def forward(self, x):
+        """Collective when ``x`` is a DomainTensor (the conv's halos, the norm's
+        statistics). Conv, norm, activation."""
         return self.act(self.norm(self.conv(x)))
 
 
@@ -61,6 +63,8 @@ class UNet3d(nn.Module):
         self.head = nn.Conv3d(ch[0], out_channels, 1)
 
     def forward(self, x):
+        """Collective when ``x`` is a DomainTensor. Encoder, bottleneck, decoder with
+        skip connections."""
         skips = [self.enter(x)]
         for down, encode in zip(self.down, self.encode):
             skips.append(encode(down(skips[-1])))
@@ -87,6 +91,8 @@ class SelfAttention(nn.Module):
         self.proj = nn.Linear(dim, dim)
 
     def forward(self, x):
+        """Collective when ``x`` is sharded along the tokens (attention over all of them).
+        Multi-head self-attention of ``x`` (B, N, D)."""
         b, n, d = x.shape
         qkv = self.qkv(x).reshape(b, n, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
         q, k, v = qkv.unbind(0)
@@ -106,6 +112,8 @@ class TransformerBlock(nn.Module):
         self.mlp = nn.Sequential(nn.Linear(dim, 2 * dim), nn.GELU(), nn.Linear(2 * dim, dim))
 
     def forward(self, x):
+        """Collective when ``x`` is sharded along the tokens. Pre-norm attention and MLP,
+        each with a residual."""
         h = self.norm1(x)
         h = self.attn(h, h, h, need_weights=False)[0] if self.torch_mha else self.attn(h)
         x = x + h
@@ -128,6 +136,8 @@ class ViT2d(nn.Module):
         self.unembed = nn.ConvTranspose2d(dim, out_channels, patch, stride=patch)
 
     def forward(self, x):
+        """Collective when ``x`` is a DomainTensor. Patch embedding, transformer blocks,
+        and the tokens back to an image."""
         t = self.embed(x)                          # (B, D, h, w)
         b, d, h, w = t.shape
         t = t.flatten(2).transpose(1, 2) + self.pos  # (B, h*w, D): tokens in row-major order
@@ -151,6 +161,8 @@ class SpectralConv2d(nn.Module):
         self.w_neg = nn.Parameter(scale * torch.randn(cin, cout, modes, modes, 2))
 
     def forward(self, x):
+        """Collective when ``x`` is a DomainTensor (the FFTs). The spectral convolution:
+        the lowest ``modes`` frequencies mixed by the learned weights."""
         h, w = x.shape[-2:]
         m = self.modes
         x_ft = torch.fft.rfft2(x)
@@ -176,6 +188,8 @@ class FNO2d(nn.Module):
                                      nn.Conv2d(2 * width, out_channels, 1))
 
     def forward(self, x):
+        """Collective when ``x`` is a DomainTensor. Lift, spectral and pointwise layers,
+        project."""
         h = self.lift(x)
         for i, (spectral, pointwise) in enumerate(zip(self.spectral, self.pointwise)):
             h = spectral(h) + pointwise(h)
