@@ -2,6 +2,7 @@
 MPI job, with a header and a line per stage on rank 0."""
 from __future__ import annotations
 
+import functools
 import json
 import sys
 import time
@@ -96,7 +97,7 @@ def run(args) -> int:
         "solve", lambda: dataset.solve(spec, params, comm),
         lambda r: f"grid {'x'.join(map(str, r[0].dec.grid.dims))}, "
                   f"{spec.solver_steps} steps, block {r[0].dec.local_shape()[1:]} on rank 0")
-    sizes = stages.run("write", lambda: dataset.write(h5, states, solver, spec, params),
+    sizes = stages.run("write", functools.partial(dataset.write, h5, states, solver, spec, params),
                        lambda r: f"{r['train']['samples']} training + {r['test']['samples']} "
                                  f"held-out pairs, {h5}")
     del states, solver
