@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -49,6 +50,10 @@ from . import aliasing, layout
 _RULES: dict[Any, Callable] = {}
 _ATTRIBUTE_RULES: dict[str, Callable] = {}
 _GATHER_ALLOWED = contextvars.ContextVar("domainpar_allow_gather", default=False)
+# ``observing_ops``: observers of the outermost DomainTensor calls, and the flag
+# that marks a call already inside one (nested calls are not observed again).
+_OP_OBSERVERS: list[Callable[[Any], contextlib.AbstractContextManager]] = []
+_OBSERVED = threading.local()
 
 
 class UnsupportedOpError(DomainparError, NotImplementedError):
@@ -169,6 +174,8 @@ def handle(func, types, args=(), kwargs=None):
     ``func``'s rule; without one, gather and run it whole inside ``allow_gather()``,
     else raise UnsupportedOpError (the same on every rank), as for a write into an
     alias it cannot follow."""
+    if _OP_OBSERVERS and not getattr(_OBSERVED, "inside", False):
+        return _observed_handle(func, types, args, kwargs)
     kwargs = kwargs or {}
     name = getattr(func, "__name__", "")
     if name in ("__get__", "__set__", "__delete__"):
@@ -183,6 +190,34 @@ def handle(func, types, args=(), kwargs=None):
         if _GATHER_ALLOWED.get():
             return _gather_and_run(func, args, kwargs)
         raise unsupported(func, args, kwargs)
+
+
+@contextlib.contextmanager
+def observing_ops(observer: Callable[[Any], contextlib.AbstractContextManager]) -> Iterator[None]:
+    """Local. Inside this block every outermost DomainTensor call on this process
+    (an op, an attribute read or write: everything that reaches ``handle``) runs
+    inside ``observer(func)``, a context manager made per call, ``func`` the torch
+    callable (``op_name(func)`` names it). Calls made while one is observed are
+    part of it. The public hook for benchmarks that time the dispatch path
+    (``domainpar bench step``); outside any block a call pays one test of an
+    empty list."""
+    _OP_OBSERVERS.append(observer)
+    try:
+        yield
+    finally:
+        _OP_OBSERVERS.remove(observer)
+
+
+def _observed_handle(func, types, args, kwargs):
+    """``handle`` inside every observer, marked as observed for the calls it makes."""
+    _OBSERVED.inside = True
+    try:
+        with contextlib.ExitStack() as stack:
+            for observer in list(_OP_OBSERVERS):
+                stack.enter_context(observer(func))
+            return handle(func, types, args, kwargs)
+    finally:
+        _OBSERVED.inside = False
 
 
 # Attributes that live on the block (autograd state) rather than on the wrapper.
