@@ -13,7 +13,7 @@ halos larger). Each rank:
    few or no reference points still gets a finite reach;
 2. receives the point halo: from every other rank, the reference points
    within reach of its queries, judged on a summary (its queries binned by
-   cell of a 4**D grid and by octave of reach, each bin a box with its largest
+   cell of an 8**D grid and by octave of reach, each bin a box with its largest
    reach): one allgather of the summaries, one routed exchange of coordinates
    and global indices;
 3. refines: the exact search over its own and the halo's points.
@@ -38,7 +38,7 @@ from .route import Route, fetch, push
 
 CHUNK = 1024   # queries per distance block (memory: a few CHUNK x candidates)
 _SLACK = 1e-9  # relative margin on the reach: a halo may only be too large
-CELLS = 4      # a rank's queries are summarised per cell of a CELLS**D grid (and reach octave)
+CELLS = 8      # a rank's queries are summarised per cell of a CELLS**D grid (and reach octave)
 
 
 def knn(query: DomainTensor, ref: DomainTensor, k: int):
