@@ -19,7 +19,7 @@ from ..tensor import dispatch
 BEGIN, END = "<!-- op-table:begin -->", "<!-- op-table:end -->"
 # The op families (modules of domainpar.ops) the table lists.
 FAMILIES = ("attention", "conv", "dropout", "einsum", "fft", "index", "interop", "linear", "loss",
-            "norm", "pad", "pointwise", "pool", "reduce", "resample", "shape")
+            "norm", "pad", "pointwise", "points", "pool", "reduce", "resample", "shape")
 
 
 def _base_name(func) -> str:
@@ -51,7 +51,9 @@ def rows() -> list[tuple[str, str, str]]:
         by_rule[rule].add(_base_name(func))
     out = []
     for rule, names in by_rule.items():
-        family = rule.__module__.rsplit(".", 1)[-1]
+        # ops/<family>.py, or a package of its own beside ops/ (points/rules.py)
+        package, module = rule.__module__.split(".")[1:3]
+        family = module if package == "ops" else package
         if family not in FAMILIES:
             continue  # the tensor protocol (metadata, conversions, backward): not ops
         out.append((family, ", ".join(f"`{n}`" for n in sorted(names)), _summary(rule)))
