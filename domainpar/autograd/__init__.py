@@ -7,7 +7,7 @@ primitive is the identity (``broadcast``) or when the layouts already agree
 """
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 from mpi4py import MPI
@@ -32,17 +32,20 @@ from .primitives import (
 
 def halo_fill(padded: torch.Tensor, halo: HaloExchange) -> torch.Tensor:
     """Neighbour-wise collective. ``padded`` with its ghosts filled (a new tensor)."""
-    return HaloFill.apply(padded, halo)
+    out: torch.Tensor = HaloFill.apply(padded, halo)
+    return out
 
 
 def halo_accumulate(padded: torch.Tensor, halo: HaloExchange) -> torch.Tensor:
     """Neighbour-wise collective. The adjoint of ``halo_fill`` (a new tensor)."""
-    return HaloAccumulate.apply(padded, halo)
+    out: torch.Tensor = HaloAccumulate.apply(padded, halo)
+    return out
 
 
 def allreduce_sum(partial: torch.Tensor, comm: MPI.Comm) -> torch.Tensor:
     """Collective over ``comm``. Partial values summed into a replicated value."""
-    return AllreduceSum.apply(partial, comm)
+    out: torch.Tensor = AllreduceSum.apply(partial, comm)
+    return out
 
 
 def broadcast(replicated: torch.Tensor, comm: MPI.Comm,
@@ -51,45 +54,53 @@ def broadcast(replicated: torch.Tensor, comm: MPI.Comm,
     (collective) or hands the partial gradient to ``defer``."""
     if comm.Get_size() == 1 and defer is None:
         return replicated
-    return Broadcast.apply(replicated, comm, defer)
+    out: torch.Tensor = Broadcast.apply(replicated, comm, defer)
+    return out
 
 
-def scatter(global_or_placeholder: torch.Tensor, dec: Decomposition, root: int = 0):
+def scatter(global_or_placeholder: torch.Tensor, dec: Decomposition,
+            root: int = 0) -> torch.Tensor:
     """Collective. The root's tensor cut into blocks (others pass a placeholder)."""
-    return Scatter.apply(global_or_placeholder, dec, root)
+    out: torch.Tensor = Scatter.apply(global_or_placeholder, dec, root)
+    return out
 
 
 def gather(block: torch.Tensor, dec: Decomposition, root: int = 0) -> torch.Tensor:
     """Collective. The global tensor on ``root``; an empty tensor elsewhere."""
-    return Gather.apply(block, dec, root)
+    out: torch.Tensor = Gather.apply(block, dec, root)
+    return out
 
 
 def allgather(block: torch.Tensor, dec: Decomposition) -> torch.Tensor:
     """Collective. The global tensor, replicated on every rank."""
-    return Allgather.apply(block, dec)
+    out: torch.Tensor = Allgather.apply(block, dec)
+    return out
 
 
 def shard(replicated: torch.Tensor, dec: Decomposition) -> torch.Tensor:
     """Local (collective in backward). This rank's block of a replicated tensor."""
-    return Shard.apply(replicated, dec)
+    out: torch.Tensor = Shard.apply(replicated, dec)
+    return out
 
 
 def repartition(block: torch.Tensor, src: Decomposition, dst: Decomposition) -> torch.Tensor:
     """Collective. ``block`` moved from layout ``src`` to layout ``dst``."""
     if src == dst:
         return block
-    return Repartition.apply(block, src, dst)
+    out: torch.Tensor = Repartition.apply(block, src, dst)
+    return out
 
 
-def mirror(block: torch.Tensor, comm: MPI.Comm, recv_shape) -> torch.Tensor:
+def mirror(block: torch.Tensor, comm: MPI.Comm, recv_shape: Sequence[int]) -> torch.Tensor:
     """Pairwise collective over the 1-D ``comm``. The block of the rank at the
     mirrored position (``size - 1 - rank``), of shape ``recv_shape``."""
     if comm.Get_size() == 1:
         return block
-    return MirrorExchange.apply(block.contiguous(), comm, tuple(recv_shape))
+    out: torch.Tensor = MirrorExchange.apply(block.contiguous(), comm, tuple(recv_shape))
+    return out
 
 
-def ring_shift(block: torch.Tensor, comm: MPI.Comm, recv_shape=None,
+def ring_shift(block: torch.Tensor, comm: MPI.Comm, recv_shape: Sequence[int] | None = None,
                shift: int = 1) -> torch.Tensor:
     """Pairwise collective over the 1-D ``comm``. The block of the rank ``shift``
     places back around the ring (``(rank - shift) % size``), of shape
@@ -98,7 +109,8 @@ def ring_shift(block: torch.Tensor, comm: MPI.Comm, recv_shape=None,
     if comm.Get_size() == 1:
         return block
     shape = block.shape if recv_shape is None else recv_shape
-    return RingShift.apply(block.contiguous(), comm, tuple(shape), int(shift))
+    out: torch.Tensor = RingShift.apply(block.contiguous(), comm, tuple(shape), int(shift))
+    return out
 
 
 __all__ = ["Allgather", "AllreduceSum", "Broadcast", "Gather", "HaloAccumulate", "HaloFill",

@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import numpy as np
 import torch
+from torch.utils.dlpack import from_dlpack
 
 from ..comm import buffers
 
 
-def to_array(t: torch.Tensor):
+def to_array(t: torch.Tensor) -> buffers.Array:
     """A numpy or CuPy view of ``t``'s data (made contiguous first if needed)."""
     # A lazy conjugate or negation (x.conj(), x.imag of one) is a bit on the tensor
     # that DLPack and numpy cannot carry: materialise it.
@@ -29,7 +30,7 @@ def to_array(t: torch.Tensor):
     return buffers.as_array(t)
 
 
-def from_array(a, like: torch.Tensor) -> torch.Tensor:
+def from_array(a: buffers.Array, like: torch.Tensor) -> torch.Tensor:
     """The comm result ``a`` as a tensor with ``like``'s dtype and device."""
     if isinstance(a, np.ndarray):
         if like.dtype == torch.bool:
@@ -39,7 +40,7 @@ def from_array(a, like: torch.Tensor) -> torch.Tensor:
         else:
             out = torch.from_numpy(a)
     else:
-        out = torch.from_dlpack(a)
+        out = from_dlpack(a)
         if like.dtype == torch.bfloat16:
             out = out.view(torch.bfloat16)
     return out.to(like.device)

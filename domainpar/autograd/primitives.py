@@ -30,6 +30,7 @@ distributed one as the sum over blocks (``domainpar.testing.adjoint_test``).
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
 from mpi4py import MPI
@@ -89,12 +90,12 @@ class HaloFill(torch.autograd.Function):
     values. Adjoint: ghosts are sent back, added to the owners, and zeroed."""
 
     @staticmethod
-    def forward(ctx, padded: torch.Tensor, halo: HaloExchange):
+    def forward(ctx: Any, padded: torch.Tensor, halo: HaloExchange) -> torch.Tensor:
         ctx.halo = halo
         return fill_in_place(_contiguous_copy(padded), halo)
 
     @staticmethod
-    def backward(ctx, grad):
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         return HaloAccumulate.apply(grad, ctx.halo), None
 
 
@@ -102,12 +103,12 @@ class HaloAccumulate(torch.autograd.Function):
     """Neighbour-wise collective. The adjoint of HaloFill (and HaloFill its adjoint)."""
 
     @staticmethod
-    def forward(ctx, padded: torch.Tensor, halo: HaloExchange):
+    def forward(ctx: Any, padded: torch.Tensor, halo: HaloExchange) -> torch.Tensor:
         ctx.halo = halo
         return accumulate_in_place(_contiguous_copy(padded), halo)
 
     @staticmethod
-    def backward(ctx, grad):
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         return HaloFill.apply(grad, ctx.halo), None
 
 
@@ -118,12 +119,12 @@ class AllreduceSum(torch.autograd.Function):
     gradient is one logical gradient, which every partial receives whole."""
 
     @staticmethod
-    def forward(ctx, partial: torch.Tensor, comm: MPI.Comm):
+    def forward(ctx: Any, partial: torch.Tensor, comm: MPI.Comm) -> torch.Tensor:
         ctx.comm = comm
         return allreduce_tensor(partial, comm, "sum")
 
     @staticmethod
-    def backward(ctx, grad):
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         return Broadcast.apply(grad, ctx.comm, None), None
 
 
@@ -137,13 +138,13 @@ class Broadcast(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, replicated: torch.Tensor, comm: MPI.Comm,
-                defer: Callable[[torch.Tensor], None] | None):
+    def forward(ctx: Any, replicated: torch.Tensor, comm: MPI.Comm,
+                defer: Callable[[torch.Tensor], None] | None) -> torch.Tensor:
         ctx.comm, ctx.defer = comm, defer
         return replicated.view_as(replicated)
 
     @staticmethod
-    def backward(ctx, grad):
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         if ctx.defer is not None:
             ctx.defer(grad)
             return None, None, None
@@ -157,14 +158,14 @@ class Scatter(torch.autograd.Function):
     requires_grad, so that every rank takes part in backward). Adjoint: Gather."""
 
     @staticmethod
-    def forward(ctx, global_or_placeholder: torch.Tensor, dec: Decomposition, root: int):
+    def forward(ctx: Any, global_or_placeholder: torch.Tensor, dec: Decomposition, root: int) -> torch.Tensor:
         ctx.dec, ctx.root = dec, root
         like = global_or_placeholder
         mine = to_array(like) if dec.grid.rank == root else None
         return from_array(collectives.scatterv(mine, dec, root), like)
 
     @staticmethod
-    def backward(ctx, grad):
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         return Gather.apply(grad, ctx.dec, ctx.root), None, None
 
 
@@ -173,7 +174,7 @@ class Gather(torch.autograd.Function):
     other ranks get an empty tensor. Adjoint: Scatter."""
 
     @staticmethod
-    def forward(ctx, block: torch.Tensor, dec: Decomposition, root: int):
+    def forward(ctx: Any, block: torch.Tensor, dec: Decomposition, root: int) -> torch.Tensor:
         ctx.dec, ctx.root = dec, root
         out = collectives.gatherv(to_array(block), dec, root)
         if out is None:
@@ -181,7 +182,7 @@ class Gather(torch.autograd.Function):
         return from_array(out, block)
 
     @staticmethod
-    def backward(ctx, grad):
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         return Scatter.apply(grad, ctx.dec, ctx.root), None, None
 
 
@@ -192,12 +193,12 @@ class Allgather(torch.autograd.Function):
     gradient)."""
 
     @staticmethod
-    def forward(ctx, block: torch.Tensor, dec: Decomposition):
+    def forward(ctx: Any, block: torch.Tensor, dec: Decomposition) -> torch.Tensor:
         ctx.dec = dec
         return from_array(collectives.allgatherv(to_array(block), dec), block)
 
     @staticmethod
-    def backward(ctx, grad):
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         return Shard.apply(grad, ctx.dec), None
 
 
@@ -207,12 +208,12 @@ class Shard(torch.autograd.Function):
     gradients into the replicated tensor's gradient."""
 
     @staticmethod
-    def forward(ctx, replicated: torch.Tensor, dec: Decomposition):
+    def forward(ctx: Any, replicated: torch.Tensor, dec: Decomposition) -> torch.Tensor:
         ctx.dec = dec
         return _contiguous_copy(replicated[dec.local_slices()])
 
     @staticmethod
-    def backward(ctx, grad):
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         return Allgather.apply(grad.contiguous(), ctx.dec), None
 
 
@@ -222,12 +223,12 @@ class Repartition(torch.autograd.Function):
     the same global shape (alltoallv). Adjoint: the reverse repartition."""
 
     @staticmethod
-    def forward(ctx, block: torch.Tensor, src: Decomposition, dst: Decomposition):
+    def forward(ctx: Any, block: torch.Tensor, src: Decomposition, dst: Decomposition) -> torch.Tensor:
         ctx.src, ctx.dst = src, dst
         return from_array(collectives.repartition(to_array(block), src, dst), block)
 
     @staticmethod
-    def backward(ctx, grad):
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         return Repartition.apply(grad.contiguous(), ctx.dst, ctx.src), None, None
 
 
@@ -239,16 +240,16 @@ class MirrorExchange(torch.autograd.Function):
     own inverse, so the adjoint is the same exchange with the shapes swapped."""
 
     @staticmethod
-    def forward(ctx, block: torch.Tensor, comm: MPI.Comm, recv_shape):
+    def forward(ctx: Any, block: torch.Tensor, comm: MPI.Comm, recv_shape: tuple[int, ...]) -> torch.Tensor:
         ctx.comm, ctx.send_shape = comm, tuple(block.shape)
         return _mirror(block, comm, tuple(recv_shape))
 
     @staticmethod
-    def backward(ctx, grad):
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         return MirrorExchange.apply(grad.contiguous(), ctx.comm, ctx.send_shape), None, None
 
 
-def _mirror(block: torch.Tensor, comm: MPI.Comm, recv_shape) -> torch.Tensor:
+def _mirror(block: torch.Tensor, comm: MPI.Comm, recv_shape: tuple[int, ...]) -> torch.Tensor:
     out = torch.empty(recv_shape, dtype=block.dtype, device=block.device)
     collectives.mirror_exchange(to_array(block), to_array(out), comm)
     return out
@@ -263,17 +264,18 @@ class RingShift(torch.autograd.Function):
     the shapes swapped."""
 
     @staticmethod
-    def forward(ctx, block: torch.Tensor, comm: MPI.Comm, recv_shape, shift: int):
+    def forward(ctx: Any, block: torch.Tensor, comm: MPI.Comm, recv_shape: tuple[int, ...],
+                shift: int) -> torch.Tensor:
         ctx.comm, ctx.send_shape, ctx.shift = comm, tuple(block.shape), shift
         return _ring(block, comm, tuple(recv_shape), shift)
 
     @staticmethod
-    def backward(ctx, grad):
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         return RingShift.apply(grad.contiguous(), ctx.comm, ctx.send_shape, -ctx.shift), \
             None, None, None
 
 
-def _ring(block: torch.Tensor, comm: MPI.Comm, recv_shape, shift: int) -> torch.Tensor:
+def _ring(block: torch.Tensor, comm: MPI.Comm, recv_shape: tuple[int, ...], shift: int) -> torch.Tensor:
     out = torch.empty(recv_shape, dtype=block.dtype, device=block.device)
     collectives.ring_shift([to_array(block)], [to_array(out)], comm, shift).wait()
     return out

@@ -15,7 +15,15 @@ Nothing here imports torch: tensors are recognised by duck typing.
 """
 from __future__ import annotations
 
+from types import ModuleType
+from typing import Any, TypeAlias
+
 import numpy as np
+
+# An ``as_array`` result: numpy.ndarray (host) or cupy.ndarray (device). CuPy
+# ships no type information, so to a type checker this union is as wide as Any;
+# the alias names what is meant.
+Array: TypeAlias = Any
 
 try:  # CuPy is optional: without it, device arrays are simply not accepted.
     import cupy
@@ -23,21 +31,21 @@ except Exception:  # pragma: no cover - depends on the machine
     cupy = None
 
 
-def _is_torch_tensor(a) -> bool:
+def _is_torch_tensor(a: object) -> bool:
     return type(a).__module__.startswith("torch") and hasattr(a, "__dlpack__")
 
 
-def is_device(a) -> bool:
+def is_device(a: Any) -> bool:
     """True for arrays in GPU memory (CuPy, torch CUDA, anything with
     ``__cuda_array_interface__``)."""
     if isinstance(a, np.ndarray):
         return False
     if _is_torch_tensor(a):
-        return a.device.type == "cuda"
+        return bool(a.device.type == "cuda")
     return hasattr(a, "__cuda_array_interface__")
 
 
-def as_array(a):
+def as_array(a: Any) -> Array:
     """A numpy (host) or CuPy (device) view of ``a`` sharing its memory."""
     if isinstance(a, np.ndarray):
         return a
@@ -54,17 +62,17 @@ def as_array(a):
                     "pass a numpy array, a CuPy array or a torch tensor")
 
 
-def address(arr) -> int:
+def address(arr: Array) -> int:
     """The address of the first element of ``arr`` (an ``as_array`` result)."""
-    return arr.ctypes.data if isinstance(arr, np.ndarray) else arr.data.ptr
+    return int(arr.ctypes.data if isinstance(arr, np.ndarray) else arr.data.ptr)
 
 
-def namespace(arr):
+def namespace(arr: Array) -> ModuleType:
     """numpy or cupy, whichever owns ``arr`` (an ``as_array`` result)."""
     return np if isinstance(arr, np.ndarray) else _cupy()
 
 
-def synchronize(arr) -> None:
+def synchronize(arr: Array) -> None:
     """Wait until the work producing ``arr`` is done, before MPI touches it.
 
     Host arrays are always ready. For device arrays, MPI reads memory behind
@@ -74,12 +82,12 @@ def synchronize(arr) -> None:
         _cupy().cuda.get_current_stream().synchronize()
 
 
-def empty(shape, dtype, like):
+def empty(shape: int | tuple[int, ...], dtype: Any, like: Array) -> Array:
     """An uninitialised array of ``shape`` and ``dtype`` where ``like`` lives."""
     return namespace(like).empty(shape, dtype=dtype)
 
 
-def to_device(host: np.ndarray):
+def to_device(host: np.ndarray) -> Array:
     """A copy of the host array ``host`` on this process's current GPU."""
     return _cupy().asarray(host)
 
@@ -90,8 +98,8 @@ def pinned_empty(nbytes: int) -> np.ndarray:
     return np.frombuffer(mem, dtype=np.uint8, count=nbytes)
 
 
-def _cupy():
+def _cupy() -> ModuleType:
     if cupy is None:
         raise TypeError("this array lives on a GPU but CuPy is not installed "
                         "(pip install domainpar[cuda])")
-    return cupy
+    return cupy  # type: ignore[no-any-return]  # CuPy has no stubs: its module is Any

@@ -24,11 +24,15 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager as ContextManager
+from typing import ParamSpec, TypeVar
+
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
 
 _local = threading.local()
 _lock = threading.Lock()
-_total = [0.0, 0, 0.0]  # wall seconds, calls, CPU seconds
-_observers: list[Callable[[str], ContextManager]] = []
+_total: list[float] = [0.0, 0, 0.0]  # wall seconds, calls, CPU seconds
+_observers: list[Callable[[str], ContextManager[object]]] = []
 
 
 def blocked_seconds(cpu: bool = False) -> float:
@@ -46,11 +50,11 @@ def now(cpu: bool = False) -> float:
 
 def blocking_calls() -> int:
     """Local. How many outermost communication calls have been timed so far."""
-    return _total[1]
+    return int(_total[1])
 
 
 @contextlib.contextmanager
-def observing(observer: Callable[[str], ContextManager]) -> Iterator[None]:
+def observing(observer: Callable[[str], ContextManager[object]]) -> Iterator[None]:
     """Local. Inside this block, every outermost communication call on this
     process runs inside ``observer(name)``, a context manager made per call,
     ``name`` the call's qualified name (``HaloExchange.fill``,
@@ -63,7 +67,7 @@ def observing(observer: Callable[[str], ContextManager]) -> Iterator[None]:
         _observers.remove(observer)
 
 
-def _observed(name: str) -> ContextManager:
+def _observed(name: str) -> ContextManager[object]:
     if not _observers:
         return contextlib.nullcontext()
     stack = contextlib.ExitStack()
@@ -72,13 +76,13 @@ def _observed(name: str) -> ContextManager:
     return stack
 
 
-def blocking(fn):
+def blocking(fn: Callable[_P, _R]) -> Callable[_P, _R]:
     """Local. Decorator: count ``fn``'s wall and CPU time into ``blocked_seconds``
     (and run it inside the ``observing`` observers)."""
     name = fn.__qualname__
 
     @functools.wraps(fn)
-    def timed(*args, **kwargs):
+    def timed(*args: _P.args, **kwargs: _P.kwargs) -> _R:
         depth = getattr(_local, "depth", 0)
         if depth:
             return fn(*args, **kwargs)

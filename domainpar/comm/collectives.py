@@ -10,20 +10,32 @@ operation's result is one (allgatherv, gatherv on the root).
 """
 from __future__ import annotations
 
+from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING, Any, TypeAlias, TypeVar
+
 import numpy as np
 from mpi4py import MPI
 
 from . import buffers, packing, runtime
+from .buffers import Array
 from .clock import blocking
 from .decomposition import Decomposition
 from .errors import LayoutError, agree, signature_of
+
+if TYPE_CHECKING:
+    from mpi4py.typing import BufSpec
+
+Box: TypeAlias = tuple[slice, ...]
+# One side of a repartition plan: boxes, byte counts, byte displacements.
+_Plan: TypeAlias = tuple[list[Box], list[int], list[int]]
+_A = TypeVar("_A")
 
 _OPS = {"sum": MPI.SUM, "max": MPI.MAX, "min": MPI.MIN, "prod": MPI.PROD}
 _MAX_COUNT = 2**31 - 1  # MPI-3 counts are C ints
 
 
 # -- wire helpers -------------------------------------------------------------------------
-def _to_wire(arr):
+def _to_wire(arr: Array) -> Array:
     """What MPI may touch for ``arr``: itself, or a host copy when ``arr`` is on
     a GPU and MPI is not CUDA-aware. Waits for the producing stream first."""
     buffers.synchronize(arr)
@@ -32,14 +44,14 @@ def _to_wire(arr):
     return arr
 
 
-def _from_wire(wire, like):
+def _from_wire(wire: Array, like: Array) -> Array:
     """``wire`` moved back to where ``like`` lives."""
     if buffers.is_device(like) and isinstance(wire, np.ndarray):
         return buffers.namespace(like).asarray(wire)
     return wire
 
 
-def _copy_back(wire, arr) -> None:
+def _copy_back(wire: Array, arr: Array) -> None:
     """Copy a result received in ``wire`` into the caller's ``arr`` and wait for
     the copy: on a GPU it runs on CuPy's stream, and the caller may go on on
     another one (a torch side stream) that nothing orders after it."""
@@ -47,17 +59,17 @@ def _copy_back(wire, arr) -> None:
     buffers.synchronize(arr)
 
 
-def _byte_counts(sizes, itemsize):
+def _byte_counts(sizes: Iterable[int], itemsize: int) -> tuple[list[int], list[int]]:
     """Byte counts and displacements of blocks of ``sizes`` elements, back to back."""
     counts = [int(n) * itemsize for n in sizes]
     if sum(counts) > _MAX_COUNT:  # displacements are C ints too
         raise LayoutError(f"{sum(counts)} bytes in one collective exceed MPI's count limit "
                           f"of {_MAX_COUNT} bytes: use more ranks or smaller blocks")
-    displs = np.concatenate(([0], np.cumsum(counts)[:-1])).astype(np.int64).tolist()
+    displs: list[int] = np.concatenate(([0], np.cumsum(counts)[:-1])).astype(np.int64).tolist()
     return counts, displs
 
 
-def _pack_boxes(arr, boxes, itemsize):
+def _pack_boxes(arr: Array, boxes: Sequence[Box], itemsize: int) -> Array:
     """``arr[box]`` for each box, back to back in one byte buffer."""
     sizes = [arr[b].size for b in boxes]
     buf = buffers.empty((sum(sizes) * itemsize,), np.uint8, arr)
@@ -68,7 +80,7 @@ def _pack_boxes(arr, boxes, itemsize):
     return buf
 
 
-def _unpack_boxes(buf, arr, boxes, itemsize):
+def _unpack_boxes(buf: Array, arr: Array, boxes: Sequence[Box], itemsize: int) -> None:
     pos = 0
     for box in boxes:
         view = arr[box]
@@ -77,9 +89,9 @@ def _unpack_boxes(buf, arr, boxes, itemsize):
         pos += n
 
 
-def _intersect(a, b):
+def _intersect(a: Box, b: Box) -> Box | None:
     """The box shared by slice tuples ``a`` and ``b`` (global coords), or None."""
-    out = []
+    out: list[slice] = []
     for x, y in zip(a, b):
         lo, hi = max(x.start, y.start), min(x.stop, y.stop)
         if lo >= hi:
@@ -88,15 +100,16 @@ def _intersect(a, b):
     return tuple(out)
 
 
-def _shift(box, origin):
+def _shift(box: Box, origin: Sequence[int]) -> Box:
     """Global box -> local box of a block starting at ``origin``."""
     return tuple(slice(s.start - o, s.stop - o) for s, o in zip(box, origin))
 
 
-def _check_block(op, dec, arr_or_exc, problem=None, root=None):
+def _check_block(op: str, dec: Decomposition, arr_or_exc: Array | Exception | None,
+                 problem: str | None = None, root: object = None) -> None:
     """Collective: every rank's block must match its local shape and all dtypes
     (and ``root``, when given) agree."""
-    dtype = "?"
+    dtype: object = "?"
     if isinstance(arr_or_exc, Exception):
         problem = f"{op}: {arr_or_exc}"
     elif arr_or_exc is not None:
@@ -105,7 +118,7 @@ def _check_block(op, dec, arr_or_exc, problem=None, root=None):
             problem = (f"{op}: block shape {tuple(arr_or_exc.shape)} does not match the "
                        f"decomposition's local shape {dec.local_shape()}")
     if root is None:
-        what, described = f"{op} dtypes", dtype
+        what, described = f"{op} dtypes", str(dtype)
     else:
         problem = problem or _root_problem(op, root, dec.grid.size)
         what, described = f"{op} dtypes or roots", f"dtype={dtype} root={root}"
@@ -113,14 +126,14 @@ def _check_block(op, dec, arr_or_exc, problem=None, root=None):
           what=what, described=described)
 
 
-def _root_problem(op, root, size):
+def _root_problem(op: str, root: object, size: int) -> str | None:
     if isinstance(root, (bool, np.bool_)) or not isinstance(root, (int, np.integer)) \
             or not 0 <= root < size:
         return f"{op}: root {root!r} is not a rank of the grid's {size} processes"
     return None
 
 
-def _as_array_or_error(a):
+def _as_array_or_error(a: Any) -> Array | TypeError:
     try:
         return buffers.as_array(a)
     except TypeError as exc:
@@ -129,7 +142,7 @@ def _as_array_or_error(a):
 
 # -- allreduce ----------------------------------------------------------------------------
 @blocking
-def allreduce(a, comm: MPI.Comm, op: str = "sum", *, check: bool = True):
+def allreduce(a: _A, comm: MPI.Comm, op: str = "sum", *, check: bool = True) -> _A:
     """Collective over ``comm``. Reduce ``a`` elementwise over all processes
     with ``op`` ('sum', 'max', 'min' or 'prod'), in place; returns ``a``.
 
@@ -153,6 +166,7 @@ def allreduce(a, comm: MPI.Comm, op: str = "sum", *, check: bool = True):
               described=shape)
     elif problem:
         raise LayoutError(problem)
+    assert not isinstance(arr, Exception)  # else agree raised, on every rank
     if comm.Get_size() == 1 or arr.size == 0:
         return a
     work = arr if arr.flags.c_contiguous else buffers.namespace(arr).ascontiguousarray(arr)
@@ -167,7 +181,7 @@ class PendingReduction:
     """A started ``iallreduce``: ``wait()`` completes it (and, for a device array
     staged through the host, copies the result back)."""
 
-    def __init__(self, request: MPI.Request, wire, arr):
+    def __init__(self, request: MPI.Request, wire: Array, arr: Array) -> None:
         self.request, self._wire, self._arr = request, wire, arr
 
     def test(self) -> bool:
@@ -184,7 +198,7 @@ class PendingReduction:
             _copy_back(self._wire, self._arr)
 
 
-def iallreduce(a, comm: MPI.Comm, op: str = "sum") -> PendingReduction:
+def iallreduce(a: Any, comm: MPI.Comm, op: str = "sum") -> PendingReduction:
     """Nonblocking collective over ``comm``. Start reducing the C-contiguous array
     ``a`` in place with ``op``; the result is there after ``wait()``. For hot
     paths (bucketed gradient reduction): no cross-rank agreement check, so every
@@ -197,7 +211,7 @@ def iallreduce(a, comm: MPI.Comm, op: str = "sum") -> PendingReduction:
 
 
 @blocking
-def bcast(a, comm: MPI.Comm, root: int = 0):
+def bcast(a: _A, comm: MPI.Comm, root: int = 0) -> _A:
     """Collective over ``comm``. ``root``'s values of the C-contiguous array ``a``
     copied into every rank's ``a`` (same shape and dtype everywhere, checked)."""
     arr = _as_array_or_error(a)
@@ -209,6 +223,7 @@ def bcast(a, comm: MPI.Comm, root: int = 0):
     shape = "?" if isinstance(arr, Exception) else f"{arr.dtype}{tuple(arr.shape)}"
     agree(comm, problem, signature=signature_of(shape), what="bcast shapes or dtypes",
           described=shape)
+    assert not isinstance(arr, Exception)  # else agree raised, on every rank
     if comm.Get_size() == 1 or arr.size == 0:
         return a
     wire = _to_wire(arr)
@@ -233,12 +248,13 @@ def _members(dec: Decomposition, comm: MPI.Cartcomm) -> list[int]:
 
 
 @blocking
-def allgatherv(block, dec: Decomposition):
+def allgatherv(block: Any, dec: Decomposition) -> Array:
     """Collective. The global array assembled from every rank's block, on every
     rank (numpy or CuPy, where ``block`` lives). Each group of replicas gathers
     among itself, so replicated axes cost nothing extra."""
     arr = _as_array_or_error(block)
     _check_block("allgatherv", dec, arr)
+    assert not isinstance(arr, Exception)  # else _check_block raised, on every rank
     out = buffers.empty(dec.global_shape, arr.dtype, arr)
     comm = dec.grid.sub(dec.shard.values())
     members = _members(dec, comm)
@@ -254,11 +270,12 @@ def allgatherv(block, dec: Decomposition):
 
 
 @blocking
-def gatherv(block, dec: Decomposition, root: int = 0):
+def gatherv(block: Any, dec: Decomposition, root: int = 0) -> Array | None:
     """Collective. The global array on ``root`` (None elsewhere), from the
     blocks of the ranks at coordinate 0 of every replicated axis."""
     arr = _as_array_or_error(block)
     _check_block("gatherv", dec, arr, root=root)
+    assert not isinstance(arr, Exception)  # else _check_block raised, on every rank
     grid = dec.grid
     senders = [r for r in range(grid.size)
                if all(grid.coords_of(r)[a] == 0 for a in dec.replicated_axes)]
@@ -279,7 +296,7 @@ def gatherv(block, dec: Decomposition, root: int = 0):
 
 
 @blocking
-def scatterv(global_array, dec: Decomposition, root: int = 0):
+def scatterv(global_array: Any, dec: Decomposition, root: int = 0) -> Array:
     """Collective. Every rank's block of ``global_array``, which only ``root``
     needs to pass (others pass None). Returns a new numpy or CuPy array."""
     grid = dec.grid
@@ -313,7 +330,7 @@ def scatterv(global_array, dec: Decomposition, root: int = 0):
 
 # -- mirror exchange ---------------------------------------------------------------------------
 @blocking
-def mirror_exchange(send, recv, comm: MPI.Comm) -> None:
+def mirror_exchange(send: Any, recv: Any, comm: MPI.Comm) -> None:
     """Pairwise collective over ``comm`` (one grid axis). Send the contiguous array
     ``send`` to the rank at the mirrored position ``size - 1 - rank`` and receive
     that rank's array into the contiguous ``recv`` (a flip along a sharded dim
@@ -336,7 +353,7 @@ def mirror_exchange(send, recv, comm: MPI.Comm) -> None:
 
 # -- repartition ------------------------------------------------------------------------------
 @blocking
-def repartition(block, src: Decomposition, dst: Decomposition):
+def repartition(block: Any, src: Decomposition, dst: Decomposition) -> Array:
     """Collective. Move data laid out by ``src`` into the layout ``dst`` of the
     same global shape on the same grid, or on a grid of the same processes
     (``ProcessGrid.merged``: a dim cut over several grid axes) (alltoallv):
@@ -361,6 +378,7 @@ def repartition(block, src: Decomposition, dst: Decomposition):
         except LayoutError as exc:
             problem = f"repartition: {exc}"
     _check_block("repartition", src, arr, problem)
+    assert plan is not None and not isinstance(arr, Exception)  # else _check_block raised
     (send_boxes, scounts, sdispls), (recv_boxes, rcounts, rdispls) = plan
     send = _pack_boxes(arr, send_boxes, arr.dtype.itemsize)
     recv = buffers.empty((sum(rcounts),), np.uint8, arr)
@@ -372,13 +390,17 @@ def repartition(block, src: Decomposition, dst: Decomposition):
     return out
 
 
-def _repartition_plan(src: Decomposition, dst: Decomposition, itemsize: int):
+def _repartition_plan(src: Decomposition, dst: Decomposition,
+                      itemsize: int) -> tuple[_Plan, _Plan]:
     """Index math of a repartition, for this rank: (boxes, byte counts, byte
     displacements) of what it sends, in rank order, and of what it receives."""
     grid, in_dst = src.grid, src.grid.ranks_in(dst.grid)  # ranks of src's grid, in dst's
     me, reps = grid.coords, src.replicated_axes
     mine_src, mine_dst = src.local_slices(), dst.local_slices()
-    send_boxes, recv_boxes, send_sizes, recv_sizes = [], [], [], []
+    send_boxes: list[Box] = []
+    recv_boxes: list[Box] = []
+    send_sizes: list[int] = []
+    recv_sizes: list[int] = []
     for r in range(grid.size):
         coords = grid.coords_of(r)
         if any(coords[a] != me[a] for a in reps):  # another replica group's business
@@ -397,7 +419,7 @@ def _repartition_plan(src: Decomposition, dst: Decomposition, itemsize: int):
             (recv_boxes, *_byte_counts(recv_sizes, itemsize)))
 
 
-def _box_size(box) -> int:
+def _box_size(box: Box | None) -> int:
     return 0 if box is None else int(np.prod([s.stop - s.start for s in box]))
 
 
@@ -409,7 +431,8 @@ class PendingShift:
     """A started ``ring_shift``: ``test()`` drives it on, ``wait()`` completes it
     (and copies receives staged through the host back to the device)."""
 
-    def __init__(self, requests, staged, keep):
+    def __init__(self, requests: list[MPI.Request], staged: list[tuple[Array, Array]],
+                 keep: list[Array]) -> None:
         self.requests, self._staged, self._keep = requests, staged, keep
 
     def test(self) -> bool:
@@ -429,14 +452,15 @@ class PendingShift:
         self.requests, self._staged, self._keep = [], [], []
 
 
-def _bytes_of(arr):
+def _bytes_of(arr: Array) -> BufSpec:
     if not arr.flags.c_contiguous:
         raise LayoutError("ring_shift needs C-contiguous arrays (they are sent and received "
                           "in place)")
     return [arr.reshape(-1).view(np.uint8), MPI.BYTE]
 
 
-def ring_shift(send, recv, comm: MPI.Comm, shift: int = 1, tag: int = RING_TAG) -> PendingShift:
+def ring_shift(send: Sequence[Any], recv: Sequence[Any], comm: MPI.Comm, shift: int = 1,
+               tag: int = RING_TAG) -> PendingShift:
     """Nonblocking pairwise collective over ``comm`` (1-D: one grid axis, ranks in
     coordinate order). Start sending every array of the list ``send`` to the rank
     ``shift`` places on around the ring and receiving the arrays of the rank
@@ -457,7 +481,9 @@ def ring_shift(send, recv, comm: MPI.Comm, shift: int = 1, tag: int = RING_TAG) 
             buffers.namespace(r).copyto(r, s.reshape(r.shape))
             buffers.synchronize(r)  # as after _copy_back
         return PendingShift([], [], [])
-    requests, staged, keep = [], [], []
+    requests: list[MPI.Request] = []
+    staged: list[tuple[Array, Array]] = []
+    keep: list[Array] = []
     for i, r in enumerate(recvs):
         wire = r
         if buffers.is_device(r) and runtime.stages_device_buffers():

@@ -83,7 +83,8 @@ class Decomposition:
                  sizes: Mapping[int, Sequence[int]] | None = None, *, check: bool = True,
                  align: Mapping[int, int] | None = None):
         self.grid = grid
-        self._multi: tuple = ()  # (dim, grid axes) of a dim cut over several grid axes
+        # (dim, grid axes) of a dim cut over several grid axes, or ()
+        self._multi: tuple[int, tuple[int, ...]] | tuple[()] = ()
         problem = None
         try:
             self.global_shape = tuple(int(n) for n in global_shape)
@@ -138,14 +139,13 @@ class Decomposition:
         return dict(sorted(out.items()))
 
     @staticmethod
-    def _grid_axes(dim: int, axes, gdim: int) -> tuple[int, ...]:
+    def _grid_axes(dim: int, axes: int | Sequence[int], gdim: int) -> tuple[int, ...]:
         """``axes`` (one grid axis or a sequence of them) as non-negative axes."""
-        many = isinstance(axes, (tuple, list))
-        axes = tuple(axes) if many else (axes,)
-        if not axes:
+        given = tuple(axes) if isinstance(axes, (tuple, list)) else (axes,)
+        if not given:
             raise LayoutError(f"shard maps dim {dim} to no grid axis")
         out = []
-        for axis in axes:
+        for axis in given:
             if isinstance(axis, bool) or int(axis) != axis:
                 raise LayoutError(f"shard maps dim {dim} to {axis!r}, not a grid axis")
             if not -gdim <= int(axis) < gdim:
@@ -156,7 +156,7 @@ class Decomposition:
             raise LayoutError(f"shard maps dim {dim} to grid axes {tuple(out)}, one twice")
         return tuple(out)
 
-    def _sharded_dim(self, dim, what: str) -> int:
+    def _sharded_dim(self, dim: int, what: str) -> int:
         ndim = len(self.global_shape)
         dim = int(dim)
         if not -ndim <= dim < ndim or dim % ndim not in self.shard:
@@ -349,7 +349,7 @@ class Decomposition:
                 coords[self.shard[dim]] = c
         return self.grid.comm.Get_cart_rank(coords)
 
-    def __eq__(self, other) -> bool:
+    def __eq__(self, other: object) -> bool:
         return (isinstance(other, Decomposition) and self.grid is other.grid
                 and self.global_shape == other.global_shape and self.shard == other.shard
                 and self._sizes == other._sizes)

@@ -30,7 +30,7 @@ class MismatchError(LayoutError):
     """Arguments that must be equal on every rank differ between ranks."""
 
 
-def signature_of(*values) -> int:
+def signature_of(*values: object) -> int:
     """A stable 31-bit digest of ``values`` for comparing arguments across ranks."""
     return zlib.crc32(repr(values).encode()) & 0x7FFFFFFF
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 import itertools
 import math
 from collections.abc import Iterable, Sequence
+from typing import cast
 
 from mpi4py import MPI
 
@@ -11,13 +12,13 @@ from . import runtime
 from .errors import LayoutError, agree, signature_of
 
 
-def _normalise_periodic(periodic, ndim: int) -> tuple[bool, ...]:
+def _normalise_periodic(periodic: bool | Iterable[bool] | None, ndim: int) -> tuple[bool, ...]:
     if isinstance(periodic, bool) or periodic is None:
         return (bool(periodic),) * ndim
-    periodic = tuple(bool(p) for p in periodic)
-    if len(periodic) != ndim:
-        raise LayoutError(f"periodic has {len(periodic)} entries for a {ndim}-D grid")
-    return periodic
+    out = tuple(bool(p) for p in periodic)
+    if len(out) != ndim:
+        raise LayoutError(f"periodic has {len(out)} entries for a {ndim}-D grid")
+    return out
 
 
 class ProcessGrid:
@@ -55,7 +56,7 @@ class ProcessGrid:
 
     def __init__(self, dims: Sequence[int] | int | None = None,
                  periodic: bool | Sequence[bool] = False,
-                 comm: MPI.Comm | None = None):
+                 comm: MPI.Intracomm | None = None):
         parent = MPI.COMM_WORLD if comm is None else comm
         size = parent.Get_size()
         if dims is None:
@@ -269,8 +270,8 @@ class ProcessGrid:
         def new_rank(rank: int) -> int:
             c = self.coords_of(rank)
             merged = 0
-            for a in axes:
-                merged = merged * self.dims[a] + c[a]
+            for ax in axes:
+                merged = merged * self.dims[ax] + c[ax]
             index = 0
             for a, n in zip(order, dims):
                 index = index * n + (merged if a is None else c[a])
@@ -278,7 +279,8 @@ class ProcessGrid:
 
         key = new_rank(self.rank)
         same = all(new_rank(r) == r for r in range(self.size))
-        comm = self.comm if same else self.comm.Split(0, key)
+        # Split of an intracommunicator is one (mpi4py's stub says Comm).
+        comm = self.comm if same else cast(MPI.Intracomm, self.comm.Split(0, key))
         cart = comm.Create_cart(dims, periods=periodic, reorder=False)
         if not same:
             comm.Free()

@@ -25,17 +25,23 @@ import collections
 import dataclasses
 import os
 import time
-from collections.abc import Mapping
+from collections.abc import Iterable, Iterator, Mapping
+from typing import TYPE_CHECKING, Any, TypeAlias, TypeVar
 
 import numpy as np
 from mpi4py import MPI
 
 from . import buffers, packing, runtime
+from .buffers import Array
 from .clock import blocking
 from .decomposition import Decomposition
 from .errors import LayoutError, agree, signature_of
 
+if TYPE_CHECKING:
+    from mpi4py.typing import BufSpec
+
 _TAG_FILL, _TAG_ACCUMULATE = 7101, 7102
+_A = TypeVar("_A")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,10 +49,15 @@ class Transfer:
     """One message of a round, seen from this rank: ``box`` (a tuple of slices
     of the padded array) holds owned cells when sending, ghosts when receiving."""
     peer: int   # the other end (this rank for a local copy)
-    box: tuple
+    box: tuple[slice, ...]
 
 
-def _normalise_width(width, ndim: int) -> dict[int, tuple[int, int]]:
+# One round of messages: (dim, sends, recvs).
+_Round: TypeAlias = tuple[int, list[Transfer], list[Transfer]]
+
+
+def _normalise_width(width: Mapping[int, int | tuple[int, int]] | int,
+                     ndim: int) -> dict[int, tuple[int, int]]:
     if isinstance(width, int):
         raise LayoutError("width must be a dict {dim: int or (lo, hi)}")
     out = {}
@@ -62,7 +73,8 @@ def _normalise_width(width, ndim: int) -> dict[int, tuple[int, int]]:
     return out
 
 
-def _wrapped_segments(g0: int, g1: int, n: int, periodic: bool):
+def _wrapped_segments(g0: int, g1: int, n: int,
+                      periodic: bool) -> Iterator[tuple[int, int, int]]:
     """Split the global index range [g0, g1) into pieces inside [0, n): yields
     (start, stop, shift) with global index ``i`` of the piece sitting at
     position ``i + shift`` of the unwrapped range."""
@@ -109,9 +121,9 @@ class HaloExchange:
             wraps = {int(d) % dec.ndim: bool(p) for d, p in dict(periodic or {}).items()}
         except (LayoutError, TypeError, ValueError) as exc:
             problem, self.width, wraps = f"HaloExchange width {width}: {exc}", {}, {}
-        self._wraps = tuple(wraps.get(d, dec.axis_of(d) is not None
-                                      and bool(self.grid.periodic[dec.axis_of(d)]))
-                            for d in range(dec.ndim))
+        axes = [dec.axis_of(d) for d in range(dec.ndim)]
+        self._wraps = tuple(wraps.get(d, a is not None and bool(self.grid.periodic[a]))
+                            for d, a in enumerate(axes))
         if check:
             agree(self.grid.comm, problem,
                   signature=signature_of((sorted(self.width.items()), self._wraps)),
@@ -124,7 +136,7 @@ class HaloExchange:
                                   zip(dec.local_shape(), self.lo, self.hi))
         self.owned = tuple(slice(lo, lo + n) for lo, n in zip(self.lo, dec.local_shape()))
         self._rounds = self._plan_rounds()
-        self._plans: dict = {}
+        self._plans: dict[tuple[object, tuple[int, ...], bool], _Plan] = {}
 
     # -- queries (local) -------------------------------------------------------------
     def ghost_slices(self, dim: int, side: str) -> tuple[slice, ...]:
@@ -148,10 +160,10 @@ class HaloExchange:
         return slice(lo - min(lo, off), lo + n + min(hi, max(size - off - n, 0)))
 
     # -- planning: pure index math, the same on every rank ------------------------------
-    def _plan_rounds(self):
+    def _plan_rounds(self) -> list[_Round]:
         dec = self.decomposition
-        rounds = []
-        exchanged = []
+        rounds: list[_Round] = []
+        exchanged: list[int] = []
         for dim in range(dec.ndim):
             axis = dec.axis_of(dim)
             if axis is None or self.lo[dim] + self.hi[dim] == 0:
@@ -163,23 +175,24 @@ class HaloExchange:
             exchanged.append(dim)
         return rounds
 
-    def _round(self, dim, axis, cross):
+    def _round(self, dim: int, axis: int,
+               cross: list[slice]) -> tuple[list[Transfer], list[Transfer]]:
         dec, grid = self.decomposition, self.grid
         sizes, offs = dec.block_sizes(dim), dec.block_offsets(dim)
         n, periodic, lo = dec.global_shape[dim], self._wraps[dim], self.lo[dim]
         me = grid.coords[axis]
 
-        def rank_at(c):
+        def rank_at(c: int) -> int:
             coords = list(grid.coords)
             coords[axis] = c
             return grid.comm.Get_cart_rank(coords)
 
-        def box(start, stop):
+        def box(start: int, stop: int) -> tuple[slice, ...]:
             b = list(cross)
             b[dim] = slice(start, stop)
             return tuple(b)
 
-        def pieces(dst):
+        def pieces(dst: int) -> Iterator[tuple[int, int, int, int]]:
             """(src, start, stop, shift) for every piece of block ``dst``'s ghosts,
             in one fixed order: both ends of any pair of ranks list the messages
             between them in the same order, which MPI keeps for equal source,
@@ -209,7 +222,7 @@ class HaloExchange:
         return sends, recvs
 
     # -- execution ------------------------------------------------------------------------
-    def _check(self, a, op: str, collective: bool):
+    def _check(self, a: Any, op: str, collective: bool) -> Array:
         """This rank's array, once every rank has a well-shaped one of one dtype
         (with ``collective``; else only this rank's array is checked)."""
         problem = None
@@ -227,11 +240,11 @@ class HaloExchange:
             return arr
         dtype = arr.dtype if arr is not None else "?"  # named only if ranks differ
         agree(self.grid.comm, problem, signature=signature_of(getattr(dtype, "str", dtype)),
-              what=f"HaloExchange.{op} array dtypes", described=dtype)
+              what=f"HaloExchange.{op} array dtypes", described=str(dtype))
         return arr
 
     @blocking
-    def fill(self, a, *, check: bool = True):
+    def fill(self, a: _A, *, check: bool = True) -> _A:
         """Neighbour-wise collective. Copy owners' values into the ghost cells of
         ``a``. Periodic axes wrap; ghosts outside a non-periodic domain are left
         as they are.
@@ -256,7 +269,7 @@ class HaloExchange:
         return a
 
     @blocking
-    def accumulate(self, a, *, check: bool = True):
+    def accumulate(self, a: _A, *, check: bool = True) -> _A:
         """Neighbour-wise collective. The adjoint of ``fill``: add the ghost cells
         of ``a`` into their owners' cells, then zero the ghosts ``fill`` writes
         (those outside a non-periodic domain are left as they are).
@@ -279,12 +292,12 @@ class HaloExchange:
 
     # -- for benchmarks: the plan's messages and tuning, read without touching state --
     @property
-    def rounds(self) -> tuple:
+    def rounds(self) -> tuple[_Round, ...]:
         """Local. The message rounds, one per sharded dim: ``(dim, sends, recvs)``,
         each a list of Transfers (peer and box of the padded block)."""
         return tuple(self._rounds)
 
-    def tuning(self) -> list[dict]:
+    def tuning(self) -> list[dict[str, object]]:
         """Local. Per plan built so far (one per dtype, memory layout and device):
         the way its strided boxes settled on (``way``: 'datatype', 'pack' or None
         when nothing is strided or it is still tuning) and the seconds the last
@@ -292,7 +305,7 @@ class HaloExchange:
         return [{"way": p.choice, "timings": p.last_timings, "settled": p.timings is None}
                 for p in self._plans.values()]
 
-    def settle(self, a) -> None:
+    def settle(self, a: Any) -> None:
         """Neighbour-wise collective. Run ``fill`` and ``accumulate`` on ``a`` (a
         scratch padded block: its contents are overwritten) until the plan for
         its layout has made its tuning calls, so that timed calls see a settled
@@ -301,7 +314,7 @@ class HaloExchange:
             self.fill(a, check=False)
             self.accumulate(a, check=False)
 
-    def _plan_for(self, arr):
+    def _plan_for(self, arr: Array) -> _Plan:
         key = (arr.dtype, arr.strides, buffers.is_device(arr))
         plan = self._plans.get(key)
         if plan is None:
@@ -330,14 +343,18 @@ class _Wire:
     transfer: Transfer
     mode: str                 # "local", "direct", "datatype" or "pack" (may switch
                               # between the last two while the plan is tuning)
-    buf: object = None        # pack or staging buffer ("pack")
-    datatype: object = None   # derived datatype over the box ("datatype")
+    buf: Array = None         # pack or staging buffer ("pack")
+    datatype: MPI.Datatype | None = None  # derived datatype over the box ("datatype")
     offset: int = 0           # byte offset of the box's first element in the array
     span: int = 0             # bytes from the box's first element to past its last
-    sum_buf: object = None    # where an owned box receives a sum (accumulate)
+    sum_buf: Array = None     # where an owned box receives a sum (accumulate)
 
 
-def _box_datatype(view) -> tuple[MPI.Datatype, int]:
+# Per round: (receive requests, send requests), persistent.
+_Requests: TypeAlias = tuple[list[MPI.Prequest], list[MPI.Prequest]]
+
+
+def _box_datatype(view: Array) -> tuple[MPI.Datatype, int]:
     """A committed MPI datatype walking the box ``view`` from its first byte,
     and the byte span it covers."""
     shape, strides = packing._merged_layout(view)
@@ -363,7 +380,7 @@ class _Plan:
     are packed on the device and staged through pinned host memory unless MPI
     is CUDA-aware."""
 
-    def __init__(self, halo: HaloExchange, arr):
+    def __init__(self, halo: HaloExchange, arr: Array) -> None:
         self.comm = halo.grid.comm
         self.rank = halo.grid.rank
         self.itemsize = arr.dtype.itemsize
@@ -374,17 +391,20 @@ class _Plan:
         self.tunable = [w for sends, recvs in self.rounds for w in sends + recvs
                         if w.datatype is not None]
         # calls timed per way while tuning; None once settled (or nothing to tune)
-        self.timings = {"datatype": [], "pack": []} if self.tunable else None
-        self.choice = None
-        self.last_timings = None  # what the last tuning measured, for reports
+        self.timings: dict[str, list[float]] | None = (
+            {"datatype": [], "pack": []} if self.tunable else None)
+        self.choice: str | None = None
+        # what the last tuning measured, for reports
+        self.last_timings: dict[str, list[float]] | None = None
         self.calls_since_tuning = 0
         self.forced = bool(self.tunable and FORCED_WAY)
-        if self.forced:
+        if self.forced and FORCED_WAY:
             self._settle(FORCED_WAY)
         # persistent requests per (array address, direction, ways), newest last
-        self.requests: collections.OrderedDict = collections.OrderedDict()
+        self.requests: collections.OrderedDict[tuple[int, bool, tuple[str, ...]],
+                                               list[_Requests]] = collections.OrderedDict()
 
-    def _wire(self, arr, t: Transfer) -> _Wire:
+    def _wire(self, arr: Array, t: Transfer) -> _Wire:
         view = arr[t.box]
         if t.peer == self.rank:
             return _Wire(t, "local")
@@ -399,12 +419,12 @@ class _Plan:
             return _Wire(t, "datatype", buf=buf, datatype=datatype, offset=offset, span=span)
         return _Wire(t, "pack", buf=buf)
 
-    def execute(self, arr, adjoint: bool) -> None:
+    def execute(self, arr: Array, adjoint: bool) -> None:
         """Run every round (backwards for the adjoint); while tuning, time the
         whole exchange under each way of moving the eligible boxes."""
-        tuning = self.timings is not None
-        if tuning:  # the way timed least so far
-            way = min(self.timings, key=lambda k: len(self.timings[k]))
+        timings = self.timings
+        if timings is not None:  # the way timed least so far
+            way = min(timings, key=lambda k: len(timings[k]))
             for w in self.tunable:
                 w.mode = way
         requests = self._persistent(arr, adjoint)
@@ -416,10 +436,10 @@ class _Plan:
             # The last unpacks run on CuPy's stream; the caller may go on on
             # another one (a torch side stream), which nothing orders after them.
             buffers.synchronize(arr)
-        if tuning:
-            self.timings[way].append(time.perf_counter() - t0)
-            if all(len(v) >= TUNING_CALLS for v in self.timings.values()):
-                self._settle(min(self.timings, key=lambda k: min(self.timings[k])))
+        if timings is not None:
+            timings[way].append(time.perf_counter() - t0)
+            if all(len(v) >= TUNING_CALLS for v in timings.values()):
+                self._settle(min(timings, key=lambda k: min(timings[k])))
         elif self.choice is not None and not self.forced:
             # The faster way can change as memory and neighbours change: look again
             # now and then (a few calls in the slower way, well under 1% of calls).
@@ -435,20 +455,22 @@ class _Plan:
         for w in self.tunable:
             w.mode = way
 
-    def _message(self, address: int, w: _Wire, adjoint_recv: bool = False):
+    def _message(self, address: int, w: _Wire, adjoint_recv: bool = False) -> BufSpec:
         """The MPI message spec of ``w``'s box in the array at ``address``.
 
         Boxes in the array are named by address, not by a view, so that the
         persistent requests built on them keep no array alive."""
+        spec: BufSpec = w.buf
         if adjoint_recv:  # an owned box receives a sum, never a copy
-            return w.sum_buf
-        if w.mode == "direct":
-            return [MPI.buffer.fromaddress(address + w.offset, w.span), MPI.BYTE]
-        if w.mode == "datatype":
-            return [MPI.buffer.fromaddress(address + w.offset, w.span), 1, w.datatype]
-        return w.buf
+            spec = w.sum_buf
+        elif w.mode == "direct":
+            spec = [MPI.buffer.fromaddress(address + w.offset, w.span), MPI.BYTE]
+        elif w.mode == "datatype":
+            assert w.datatype is not None  # every "datatype" wire has one
+            spec = [MPI.buffer.fromaddress(address + w.offset, w.span), 1, w.datatype]
+        return spec
 
-    def _persistent(self, arr, adjoint: bool):
+    def _persistent(self, arr: Array, adjoint: bool) -> list[_Requests]:
         """The persistent requests of every round for the array at this address
         in this direction: built on first use, restarted on every later call.
         A few addresses are kept (arrays are usually reused); older ones freed."""
@@ -459,7 +481,7 @@ class _Plan:
             self.requests.move_to_end(key)
             return found
         tag = _TAG_ACCUMULATE if adjoint else _TAG_FILL
-        found = []
+        built: list[_Requests] = []
         for r in range(len(self.rounds)):
             sends, recvs = self._directed(r, adjoint)
             for w in recvs:
@@ -468,23 +490,23 @@ class _Plan:
                     # staged: MPI must never see device memory, sums included
                     w.sum_buf = (buffers.pinned_empty(nbytes) if self.staged
                                  else buffers.empty((nbytes,), np.uint8, arr))
-            found.append((
+            built.append((
                 [self.comm.Recv_init(self._message(address, w, adjoint), w.transfer.peer, tag)
                  for w in recvs if w.mode != "local"],
                 [self.comm.Send_init(self._message(address, w), w.transfer.peer, tag)
                  for w in sends if w.mode != "local"]))
-        self.requests[key] = found
+        self.requests[key] = built
         while len(self.requests) > _KEPT_ADDRESSES:
             _free_requests(self.requests.popitem(last=False)[1])
-        return found
+        return built
 
-    def _directed(self, r: int, adjoint: bool):
+    def _directed(self, r: int, adjoint: bool) -> tuple[list[_Wire], list[_Wire]]:
         """(sending wires, receiving wires) of round ``r``; for the adjoint the
         roles swap: ghosts travel back to their owners."""
         sends, recvs = self.rounds[r]
         return (recvs, sends) if adjoint else (sends, recvs)
 
-    def run(self, arr, r: int, adjoint: bool, requests) -> None:
+    def run(self, arr: Array, r: int, adjoint: bool, requests: _Requests) -> None:
         sends, recvs = self._directed(r, adjoint)
         recv_requests, send_requests = requests
         MPI.Prequest.Startall(recv_requests)
@@ -529,7 +551,7 @@ class _Plan:
 
     __del__ = free
 
-    def _pack(self, view, buf):
+    def _pack(self, view: Array, buf: Array) -> None:
         if self.staged:
             dev = buffers.empty(view.shape, view.dtype, view)
             dev[...] = view
@@ -537,7 +559,7 @@ class _Plan:
         else:
             packing.pack(view, buf)
 
-    def _unpack(self, view, buf, add):
+    def _unpack(self, view: Array, buf: Array, add: bool) -> None:
         if self.staged:
             src = buffers.namespace(view).asarray(buf.view(view.dtype).reshape(view.shape))
             if add:
@@ -548,7 +570,7 @@ class _Plan:
             packing.unpack(view, buf, add=add)
 
 
-def _free_requests(rounds) -> None:
+def _free_requests(rounds: Iterable[_Requests]) -> None:
     for recv_requests, send_requests in rounds:
         for request in recv_requests + send_requests:
             request.Free()

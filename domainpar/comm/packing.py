@@ -13,6 +13,7 @@ from __future__ import annotations
 import ctypes
 import os
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -26,7 +27,7 @@ _ADD_CODES = {np.dtype(np.float32): b"f", np.dtype(np.float64): b"d",
               np.dtype(np.complex64): b"f", np.dtype(np.complex128): b"d"}
 
 
-def _load_native():
+def _load_native() -> tuple[ctypes.CDLL | None, str]:
     if os.environ.get("DOMAINPAR_NATIVE", "1") == "0":
         return None, "disabled by DOMAINPAR_NATIVE=0"
     path = _NATIVE_DIR / "libdomainpar_pack.so"
@@ -70,7 +71,8 @@ def cuda_kernels() -> str:
 def _merged_layout(view: np.ndarray) -> tuple[list[int], list[int]]:
     """Shape and byte strides of ``view`` with adjacent dims merged wherever the
     outer one steps exactly over the inner one, so rows are as long as possible."""
-    shape, strides = [], []
+    shape: list[int] = []
+    strides: list[int] = []
     for n, s in zip(view.shape, view.strides):
         if n == 1:
             continue
@@ -83,13 +85,15 @@ def _merged_layout(view: np.ndarray) -> tuple[list[int], list[int]]:
     return shape or [1], strides or [view.itemsize]
 
 
-def _c_args(view: np.ndarray, shape, strides):
+def _c_args(view: np.ndarray, shape: list[int],
+            strides: list[int]) -> tuple[int, int, ctypes.Array[ctypes.c_int64],
+                                         ctypes.Array[ctypes.c_int64]]:
     ndim = len(shape)
     return (view.ctypes.data, ndim, (ctypes.c_int64 * ndim)(*shape),
             (ctypes.c_int64 * ndim)(*strides))
 
 
-def _c_layout(view):
+def _c_layout(view: buffers.Array) -> tuple[list[int], list[int]] | None:
     """Merged (shape, strides) of ``view`` when the C kernels should copy it,
     else None. They take host arrays whose rows hold several elements; on
     single-element rows numpy's own loop measured 5-15% faster (`domainpar
@@ -102,11 +106,12 @@ def _c_layout(view):
     return shape, strides
 
 
-def pack(view, buf) -> None:
+def pack(view: buffers.Array, buf: buffers.Array) -> None:
     """Copy the (possibly strided) array ``view`` into the contiguous ``buf``
     (any dtype, ``view.nbytes`` long)."""
     layout = _c_layout(view)
     if layout is not None:
+        assert _LIB is not None  # _c_layout gives a layout only when the kernels loaded
         _LIB.dp_pack(*_c_args(view, *layout), view.itemsize, buf.ctypes.data)
         return
     if not isinstance(view, np.ndarray) and _cuda_copy(view, buf, "pack"):
@@ -115,10 +120,11 @@ def pack(view, buf) -> None:
     xp.copyto(buf.view(view.dtype).reshape(view.shape), view)
 
 
-def unpack(view, buf, add: bool = False) -> None:
+def unpack(view: buffers.Array, buf: buffers.Array, add: bool = False) -> None:
     """Copy (or with ``add``, add) the contiguous ``buf`` into the array ``view``."""
     layout = _c_layout(view)
     if layout is not None:
+        assert _LIB is not None  # _c_layout gives a layout only when the kernels loaded
         shape, strides = layout
         if not add:
             _LIB.dp_unpack(*_c_args(view, shape, strides), view.itemsize, buf.ctypes.data)
@@ -141,7 +147,7 @@ def unpack(view, buf, add: bool = False) -> None:
 
 # -- device arrays --------------------------------------------------------------------------
 _CUDA_ITEM_SIZES = (1, 2, 4, 8, 16)  # element sizes with a dp_pack_<n> / dp_unpack_<n> kernel
-_cuda_state: dict = {}
+_cuda_state: dict[str, Any] = {}
 
 
 def cuda_kernel_names() -> set[str]:
@@ -151,7 +157,7 @@ def cuda_kernel_names() -> set[str]:
     return copies | {f"dp_unpack_add_{code.decode()}" for code in set(_ADD_CODES.values())}
 
 
-def _cuda_module():
+def _cuda_module() -> Any:
     """kernels/pack.cu, built ahead by CMake (domainpar/_native/pack.fatbin) or
     compiled here by NVRTC, once per process; None if neither works."""
     if "module" not in _cuda_state:
@@ -170,7 +176,7 @@ def _cuda_module():
     return _cuda_state["module"]
 
 
-def _cuda_copy(view, buf, what: str) -> bool:
+def _cuda_copy(view: buffers.Array, buf: buffers.Array, what: str) -> bool:
     """Run a kernels/pack.cu kernel for a CuPy ``view``; False when none fits."""
     module = _cuda_module()
     if module is None or view.size == 0:

@@ -6,6 +6,7 @@ import ctypes
 import functools
 import os
 import sys
+from types import TracebackType
 
 from mpi4py import MPI
 
@@ -59,7 +60,8 @@ def install_abort_hook() -> None:
     _abort_hook_installed = True
     previous = sys.excepthook
 
-    def abort_on_uncaught(kind, value, tb):
+    def abort_on_uncaught(kind: type[BaseException], value: BaseException,
+                          tb: TracebackType | None) -> None:
         previous(kind, value, tb)
         if MPI.Is_initialized() and not MPI.Is_finalized() and MPI.COMM_WORLD.Get_size() > 1:
             sys.stderr.write(f"domainpar: uncaught {kind.__name__} on rank "
@@ -151,7 +153,7 @@ def stages_device_buffers() -> bool:
     return not cuda_aware_mpi()[0]
 
 
-def capabilities() -> dict:
+def capabilities() -> dict[str, object]:
     """Local. What this process's MPI, GPU and I/O stack can do (no torch here;
     the CLI adds torch's view)."""
     from . import packing

@@ -21,8 +21,15 @@ from __future__ import annotations
 
 import functools
 import inspect
+from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, TypeGuard, TypeVar
 
 from torch.utils import _pytree as pytree
+
+if TYPE_CHECKING:
+    from .domain_tensor import DomainTensor
+
+_R = TypeVar("_R")
 
 # Ops (Tensor methods, torch functions, attributes) whose result may share data
 # with their first tensor operand, in one process or here.
@@ -51,16 +58,16 @@ class AliasGroup:
 
     __slots__ = ("copied",)
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.copied: str | None = None
 
 
-def _domain(a) -> bool:
+def _domain(a: object) -> TypeGuard[DomainTensor]:
     from .domain_tensor import DomainTensor
     return isinstance(a, DomainTensor)
 
 
-def group_of(t) -> AliasGroup:
+def group_of(t: DomainTensor) -> AliasGroup:
     """Local. ``t``'s alias group (a new one of its own if it has none yet)."""
     group = getattr(t, "_alias_group", None)
     if group is None:
@@ -68,11 +75,11 @@ def group_of(t) -> AliasGroup:
     return group
 
 
-def _operand(args, kwargs):
+def _operand(args: Sequence[Any], kwargs: Mapping[str, Any]) -> Any:
     return args[0] if args else kwargs.get("input", kwargs.get("self"))
 
 
-def link(name: str, args, kwargs, result):
+def link(name: str, args: Sequence[Any], kwargs: Mapping[str, Any] | None, result: _R) -> _R:
     """Local. Put the DomainTensors in ``result`` of the op ``name`` into the alias
     group of its tensor operand when the op may alias; returns ``result``."""
     if name not in ALIASING:
@@ -87,7 +94,7 @@ def link(name: str, args, kwargs, result):
     return result
 
 
-def mark_copied(base, view, why: str) -> None:
+def mark_copied(base: DomainTensor, view: DomainTensor, why: str) -> None:
     """Local. ``view`` was made from ``base`` as a copy where one process would
     share storage: writes into either (and their aliases) are refused from now on."""
     group = group_of(base)
@@ -96,7 +103,7 @@ def mark_copied(base, view, why: str) -> None:
 
 
 @functools.cache
-def _inplace_position(func) -> int | None:
+def _inplace_position(func: Callable[..., Any]) -> int | None:
     """Where a function's ``inplace`` parameter sits (F.dropout(x, p, training,
     inplace), F.relu(x, inplace) ...), or None."""
     try:
@@ -106,7 +113,8 @@ def _inplace_position(func) -> int | None:
     return names.index("inplace") if "inplace" in names else None
 
 
-def writes_operand(func, args, kwargs) -> bool:
+def writes_operand(func: Callable[..., Any], args: Sequence[Any],
+                   kwargs: Mapping[str, Any]) -> bool:
     """Local. Whether the call writes into its first tensor operand: an in-place
     method or operator (``add_``, ``+=``, ``__setitem__``), or ``inplace=True``
     given by keyword or by position."""
@@ -124,7 +132,8 @@ def writes_operand(func, args, kwargs) -> bool:
     return pos is not None and len(args) > pos and bool(args[pos])
 
 
-def written(func, args, kwargs) -> list:
+def written(func: Callable[..., Any], args: Sequence[Any],
+            kwargs: Mapping[str, Any] | None) -> list[DomainTensor]:
     """Local. The DomainTensors the call writes into: its tensor operand for an
     in-place op, and its ``out=`` tensors."""
     kwargs = kwargs or {}
@@ -135,7 +144,8 @@ def written(func, args, kwargs) -> list:
     return out
 
 
-def write_refusal(func, args, kwargs) -> str | None:
+def write_refusal(func: Callable[..., Any], args: Sequence[Any],
+                  kwargs: Mapping[str, Any] | None) -> str | None:
     """Local. Why the call must not run (it writes into a tensor whose alias group
     holds a copy that the write would not reach), or None."""
     for t in written(func, args, kwargs):

@@ -17,7 +17,9 @@ from __future__ import annotations
 import importlib.abc
 import importlib.util
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from importlib.machinery import ModuleSpec
+from types import ModuleType
 
 _DYNAMO = "torch._dynamo"
 
@@ -35,10 +37,11 @@ class _AfterImport(importlib.abc.MetaPathFinder):
     """Finds nothing itself: lets the other finders find ``name``, then runs
     ``callback`` once the module has executed, and removes itself."""
 
-    def __init__(self, name: str, callback: Callable[[], None]):
+    def __init__(self, name: str, callback: Callable[[], None]) -> None:
         self.name, self.callback = name, callback
 
-    def find_spec(self, fullname, path, target=None):
+    def find_spec(self, fullname: str, path: Sequence[str] | None,
+                  target: ModuleType | None = None) -> ModuleSpec | None:
         if fullname != self.name:
             return None
         sys.meta_path.remove(self)
@@ -47,21 +50,22 @@ class _AfterImport(importlib.abc.MetaPathFinder):
             return spec
         execute = spec.loader.exec_module
 
-        def exec_module(module):
+        def exec_module(module: ModuleType) -> None:
             execute(module)
             self.callback()
-        spec.loader.exec_module = exec_module
+        spec.loader.exec_module = exec_module  # type: ignore[method-assign]  # wrapped, on purpose
         return spec
 
 
-def hide_from_dynamo(cls) -> None:
+def hide_from_dynamo(cls: type) -> None:
     """Local. Make every torch call on ``cls`` (a tensor subclass) a graph break
     under torch.compile, once torch._dynamo is loaded (idempotent)."""
-    def disable():
+    def disable() -> None:
         function = cls.__dict__["__torch_function__"].__func__
         if not getattr(function, "_domainpar_hidden", False):
             import torch
             hidden = torch.compiler.disable(function)
             hidden._domainpar_hidden = True
-            cls.__torch_function__ = classmethod(hidden)
+            # a tensor subclass's hook, replaced by its wrapped self
+            cls.__torch_function__ = classmethod(hidden)  # type: ignore[attr-defined]
     when_dynamo_loads(disable)

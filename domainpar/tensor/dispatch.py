@@ -38,21 +38,35 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import threading
-from collections.abc import Callable, Iterator
-from typing import Any
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, TypeAlias, TypeVar
 
 import torch
 from torch.utils import _pytree as pytree
 
 from ..comm.errors import DomainparError
+from ..comm.grid import ProcessGrid
 from . import aliasing, layout
 
-_RULES: dict[Any, Callable] = {}
-_ATTRIBUTE_RULES: dict[str, Callable] = {}
+if TYPE_CHECKING:
+    from .domain_tensor import DomainTensor
+
+# What a rule is handed: the torch callable as called, its positional and its
+# keyword arguments. Torch calls take and return anything, hence the Anys.
+Func: TypeAlias = Callable[..., Any]
+Args: TypeAlias = tuple[Any, ...]
+Kwargs: TypeAlias = dict[str, Any]
+Rule: TypeAlias = Callable[[Func, Args, Kwargs], Any]
+AttributeRule: TypeAlias = Callable[["DomainTensor"], Any]
+_R = TypeVar("_R", bound=Rule)
+_AR = TypeVar("_AR", bound=AttributeRule)
+
+_RULES: dict[Any, Rule] = {}
+_ATTRIBUTE_RULES: dict[str, AttributeRule] = {}
 _GATHER_ALLOWED = contextvars.ContextVar("domainpar_allow_gather", default=False)
 # ``observing_ops``: observers of the outermost DomainTensor calls, and the flag
 # that marks a call already inside one (nested calls are not observed again).
-_OP_OBSERVERS: list[Callable[[Any], contextlib.AbstractContextManager]] = []
+_OP_OBSERVERS: list[Callable[[Any], contextlib.AbstractContextManager[object]]] = []
 _OBSERVED = threading.local()
 
 
@@ -61,18 +75,18 @@ class UnsupportedOpError(DomainparError, NotImplementedError):
     rule does not support)."""
 
 
-def register(*funcs: Any) -> Callable[[Callable], Callable]:
+def register(*funcs: Any) -> Callable[[_R], _R]:
     """Bind a rule ``rule(func, args, kwargs)`` to the torch callables ``funcs``."""
-    def bind(rule: Callable) -> Callable:
+    def bind(rule: _R) -> _R:
         for f in funcs:
             _RULES[f] = rule
         return rule
     return bind
 
 
-def register_attribute(*names: str) -> Callable[[Callable], Callable]:
+def register_attribute(*names: str) -> Callable[[_AR], _AR]:
     """Bind ``rule(tensor)`` to reading the tensor attributes ``names`` (``T``, ``real``)."""
-    def bind(rule: Callable) -> Callable:
+    def bind(rule: _AR) -> _AR:
         for n in names:
             _ATTRIBUTE_RULES[n] = rule
         return rule
@@ -84,7 +98,7 @@ def has_rule(func: Any) -> bool:
     return func in _RULES
 
 
-def rules() -> dict[Any, Callable]:
+def rules() -> dict[Any, Rule]:
     """A copy of the dispatch table: ``{torch callable: rule}``."""
     return dict(_RULES)
 
@@ -127,14 +141,15 @@ def op_name(func: Any) -> str:
     return f"torch.{name}"
 
 
-def domain_tensors(args, kwargs=None) -> list:
+def domain_tensors(args: Iterable[Any],
+                   kwargs: Mapping[str, Any] | None = None) -> list[DomainTensor]:
     """The DomainTensors among (nested) ``args`` and ``kwargs``, in order."""
     from .domain_tensor import DomainTensor
     leaves = pytree.tree_leaves((args, kwargs or {}))
     return [a for a in leaves if isinstance(a, DomainTensor)]
 
 
-def same_grid(func: Any, tensors: list, *, merged_ok: bool = False) -> None:
+def same_grid(func: Any, tensors: Sequence[DomainTensor], *, merged_ok: bool = False) -> None:
     """Refuse DomainTensors on different grids in one op. With ``merged_ok`` grids
     of the same processes (one merged from the other's root: a dim cut over
     several axes) pass; the rule repartitions them onto one layout."""
@@ -150,14 +165,15 @@ def same_grid(func: Any, tensors: list, *, merged_ok: bool = False) -> None:
             f"and {_grid_text(t._dec.grid)}) cannot be mixed; {hint}")
 
 
-def _grid_text(grid) -> str:
+def _grid_text(grid: ProcessGrid) -> str:
     """A grid as every rank describes it alike (its repr names this rank)."""
     merged = f", grid axes {grid.merged_axes} of dims {grid.parent.dims} merged" \
-        if getattr(grid, "parent", None) is not None else ""
+        if grid.parent is not None else ""
     return f"dims {grid.dims}, periodic {grid.periodic}{merged}"
 
 
-def unsupported(func: Any, args, kwargs, why: str | None = None) -> UnsupportedOpError:
+def unsupported(func: Any, args: Iterable[Any], kwargs: Mapping[str, Any] | None,
+                why: str | None = None) -> UnsupportedOpError:
     """The error for a call with no rule: names the op and the sharded dims."""
     dts = domain_tensors(args, kwargs)
     where = "; ".join(layout.sharded_dims_text(t._dec) for t in dts) or "no sharded dims"
@@ -169,7 +185,7 @@ def unsupported(func: Any, args, kwargs, why: str | None = None) -> UnsupportedO
 
 
 # -- the entry point -------------------------------------------------------------------------
-def handle(func, types, args=(), kwargs=None):
+def handle(func: Func, types: object, args: Args = (), kwargs: Kwargs | None = None) -> Any:
     """Collective when the op's rule is. DomainTensor's ``__torch_function__``: run
     ``func``'s rule; without one, gather and run it whole inside ``allow_gather()``,
     else raise UnsupportedOpError (the same on every rank), as for a write into an
@@ -193,7 +209,8 @@ def handle(func, types, args=(), kwargs=None):
 
 
 @contextlib.contextmanager
-def observing_ops(observer: Callable[[Any], contextlib.AbstractContextManager]) -> Iterator[None]:
+def observing_ops(
+        observer: Callable[[Any], contextlib.AbstractContextManager[object]]) -> Iterator[None]:
     """Local. Inside this block every outermost DomainTensor call on this process
     (an op, an attribute read or write: everything that reaches ``handle``) runs
     inside ``observer(func)``, a context manager made per call, ``func`` the torch
@@ -208,7 +225,7 @@ def observing_ops(observer: Callable[[Any], contextlib.AbstractContextManager]) 
         _OP_OBSERVERS.remove(observer)
 
 
-def _observed_handle(func, types, args, kwargs):
+def _observed_handle(func: Func, types: object, args: Args, kwargs: Kwargs | None) -> Any:
     """``handle`` inside every observer, marked as observed for the calls it makes."""
     _OBSERVED.inside = True
     try:
@@ -225,7 +242,7 @@ _LOCAL_ATTRIBUTES = {"requires_grad", "grad_fn", "is_leaf", "_version", "retains
                      "output_nr", "_grad_fn", "_backward_hooks"}
 
 
-def _attribute(func, kind, args, kwargs):
+def _attribute(func: Func, kind: str, args: Args, kwargs: Kwargs) -> Any:
     from .domain_tensor import DomainTensor
     descriptor = getattr(func, "__self__", None)
     attr = getattr(descriptor, "__name__", None) or getattr(
@@ -264,19 +281,19 @@ def _attribute(func, kind, args, kwargs):
         raise UnsupportedOpError(f"{kind} of attribute {attr!r} is not supported on a DomainTensor")
 
 
-def _gather_and_run(func, args, kwargs):
+def _gather_and_run(func: Func, args: Args, kwargs: Kwargs) -> Any:
     from ..autograd import allgather, shard
     from .domain_tensor import DomainTensor
     dts = domain_tensors(args, kwargs)
     same_grid(func, dts)
     lead = dts[0]
 
-    def full(a):
+    def full(a: Any) -> Any:
         return allgather(a._local, a._dec) if isinstance(a, DomainTensor) else a
 
     out = func(*pytree.tree_map(full, args), **pytree.tree_map(full, kwargs))
 
-    def reshard(o):
+    def reshard(o: Any) -> Any:
         if isinstance(o, torch.Tensor) and tuple(o.shape) == lead._dec.global_shape:
             return DomainTensor(shard(o, lead._dec), lead._dec)
         return o

@@ -9,6 +9,7 @@ level) to domain-parallel rules that work on the blocks.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any, TypeAlias
 
 import torch
 
@@ -17,6 +18,14 @@ from ..comm.decomposition import Decomposition
 from ..comm.errors import LayoutError, MismatchError, agree, signature_of
 from ..comm.grid import ProcessGrid
 from . import dispatch, layout
+
+if TYPE_CHECKING:
+    from .aliasing import AliasGroup
+
+# What each rank tells the others in from_local without sizes: (problem,
+# block shape, dtype, shard map or why it does not fit, (grid dims, periodic)).
+_Story: TypeAlias = tuple[str | None, tuple[int, ...] | None, str | None,
+                          dict[int, int] | str | None, tuple[tuple[int, ...], tuple[bool, ...]]]
 
 
 class DomainTensor(torch.Tensor):
@@ -34,9 +43,10 @@ class DomainTensor(torch.Tensor):
 
     _local: torch.Tensor
     _dec: Decomposition
+    _alias_group: AliasGroup  # set on first use (aliasing.group_of)
 
     @staticmethod
-    def __new__(cls, local: torch.Tensor, decomposition: Decomposition):
+    def __new__(cls, local: torch.Tensor, decomposition: Decomposition) -> DomainTensor:
         if tuple(local.shape) != decomposition.local_shape():
             raise LayoutError(f"internal: a block of shape {tuple(local.shape)} does not fit "
                               f"{decomposition} (local shape {decomposition.local_shape()})")
@@ -48,12 +58,17 @@ class DomainTensor(torch.Tensor):
         return self
 
     @classmethod
-    def __torch_function__(cls, func, types, args=(), kwargs=None):
+    def __torch_function__(cls, func: dispatch.Func, types: object, args: dispatch.Args = (),
+                           kwargs: dispatch.Kwargs | None = None) -> Any:
         # Under torch.compile a graph break: see compiling.py.
         return dispatch.handle(func, types, args, kwargs)
 
+    # torch declares this hook as a plain function attribute; subclasses define
+    # it as a classmethod, as torch's documentation says.
     @classmethod
-    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+    def __torch_dispatch__(  # type: ignore[override]
+            cls, func: object, types: object, args: dispatch.Args = (),
+            kwargs: dispatch.Kwargs | None = None) -> Any:
         raise dispatch.UnsupportedOpError(
             f"{func} reached a DomainTensor below the Python API (at aten level), where it "
             f"holds no data; this is a domainpar bug or an op called through a path that "
@@ -104,12 +119,15 @@ class DomainTensor(torch.Tensor):
             sizes, error = _sizes_from_stories(grid.comm.allgather(story), grid)
             if error is not None:  # every rank holds the same stories: all raise alike
                 raise error
+            shard_map = story[3]
+            # else error was set
+            assert sizes is not None and shape is not None and isinstance(shard_map, dict)
             global_shape = list(shape)
-            for d, s in sizes.items():  # each sharded dim: the sum of its block sizes
-                global_shape[d] = sum(s)
-            dec = Decomposition(global_shape, grid, story[3], sizes, check=False)
+            for d, blocks in sizes.items():  # each sharded dim: the sum of its block sizes
+                global_shape[d] = sum(blocks)
+            dec = Decomposition(global_shape, grid, shard_map, sizes, check=False)
             return cls(block, dec)
-        if problem is None:
+        if problem is None and shape is not None:  # (shape is None only with a problem)
             global_shape = list(shape)
             try:
                 for d, s in sizes.items():
@@ -180,13 +198,16 @@ class DomainTensor(torch.Tensor):
         dst = Decomposition(self._dec.global_shape, self._dec.grid.root, shard, sizes)
         return DomainTensor(ag.repartition(self._local, self._dec, dst), dst)
 
-    def __repr__(self, *, tensor_contents=None) -> str:  # noqa: D105
+    # mypy 2.4 reads torch 2.13's own __repr__(self, *, tensor_contents=None) as
+    # incompatible with this, the same signature.
+    def __repr__(self, *, tensor_contents: Any = None) -> str:  # type: ignore[override]  # noqa: D105
         return (f"DomainTensor(global_shape={tuple(self._dec.global_shape)}, "
                 f"dtype={self.dtype}, device={self.device}, "
                 f"{layout.sharded_dims_text(self._dec)}, local=\n{self._local!r})")
 
 
-def _normalised_shard(shard, shape, grid: ProcessGrid):
+def _normalised_shard(shard: Mapping[int, int], shape: tuple[int, ...] | None,
+                      grid: ProcessGrid) -> dict[int, int] | str | None:
     """``shard`` as ``{dim: axis}`` with non-negative keys and axes, or the
     reason it does not fit a block of ``shape`` on ``grid`` (a string)."""
     if shape is None:
@@ -200,7 +221,7 @@ def _normalised_shard(shard, shape, grid: ProcessGrid):
         return f"bad shard {shard!r}: {exc}"
 
 
-def _differ(stories, i: int, what: str) -> MismatchError | None:
+def _differ(stories: Sequence[Sequence[object]], i: int, what: str) -> MismatchError | None:
     """A MismatchError naming every rank's value when item ``i`` of the stories differs."""
     if len({repr(s[i]) for s in stories}) == 1:
         return None
@@ -208,14 +229,16 @@ def _differ(stories, i: int, what: str) -> MismatchError | None:
                          + "; ".join(f"rank {r}: {s[i]}" for r, s in enumerate(stories)) + ")")
 
 
-def _sizes_from_stories(stories, grid: ProcessGrid):
+def _sizes_from_stories(stories: Sequence[_Story], grid: ProcessGrid
+                        ) -> tuple[dict[int, list[int]] | None, LayoutError | None]:
     """Block sizes per sharded dim from every rank's (problem, shape, dtype,
     shard, grid), or the error that every rank raises alike (all ranks hold the
     same stories)."""
     problems = [f"rank {r}: {s[0]}" for r, s in enumerate(stories) if s[0]]
     if problems:
         return None, LayoutError("; ".join(problems))
-    shapes = [s[1] for s in stories]
+    # every shape is there: a rank without one has a problem, reported above
+    shapes = [s[1] for s in stories if s[1] is not None]
     error = (_differ(stories, 2, "block dtypes")
              or _differ([(None, len(s)) for s in shapes], 1, "numbers of block dims")
              or _differ(stories, 3, "shard maps (as {tensor dim: grid axis})")
@@ -225,14 +248,15 @@ def _sizes_from_stories(stories, grid: ProcessGrid):
     dims = stories[0][3]
     if isinstance(dims, str):
         return None, LayoutError(f"from_local: {dims}")
+    assert dims is not None  # None only without a shape: a problem, reported above
     for d in range(len(shapes[0])):
         if d not in dims and len({s[d] for s in shapes}) > 1:
             return None, MismatchError(
                 f"from_local: dim {d} is not sharded but its size differs between ranks ("
                 + "; ".join(f"rank {r}: {s[d]}" for r, s in enumerate(shapes)) + ")")
-    sizes = {}
+    sizes: dict[int, list[int]] = {}
     for d, axis in dims.items():
-        per_coord: dict[int, set] = {}
+        per_coord: dict[int, set[int]] = {}
         for r, s in enumerate(shapes):
             per_coord.setdefault(grid.coords_of(r)[axis], set()).add(s[d])
         if any(len(v) > 1 for v in per_coord.values()):
@@ -292,6 +316,7 @@ def scatter(t: torch.Tensor | None, grid: ProcessGrid, shard: Mapping[int, int],
     shape, dtype, device_type, src_requires = meta
     dec = Decomposition(shape, grid, shard, align=align)
     if grid.rank == src:
+        assert t is not None  # checked above: src holds a tensor, or every rank raised
         source = t
     else:
         device = torch.device(device_type, torch.cuda.current_device()) \

@@ -38,10 +38,13 @@ from __future__ import annotations
 import contextvars
 import inspect
 import weakref
+from collections.abc import Callable, Iterable
+from typing import Any
 
 import torch
 
 from .. import autograd as ag
+from ..comm.decomposition import Decomposition
 from ..comm.errors import LayoutError
 from .dispatch import UnsupportedOpError
 from .domain_tensor import DomainTensor
@@ -50,17 +53,19 @@ _Function = torch.autograd.Function
 _ORIGINAL_APPLY = _Function.__dict__["apply"].__func__
 # The call being lifted: (user class, its args with DomainTensors, a dict that
 # receives the user's forward's outputs).
-_PENDING: contextvars.ContextVar = contextvars.ContextVar("domainpar_lifted_call")
+_PENDING: contextvars.ContextVar[tuple[type[_Function], tuple[Any, ...], dict[str, Any]]] = \
+    contextvars.ContextVar("domainpar_lifted_call")
 _LIFTED: weakref.WeakKeyDictionary[type, type] = weakref.WeakKeyDictionary()
 
 
 def install() -> None:
     """Local. Route ``Function.apply`` on DomainTensors through the blocks (idempotent)."""
     if _Function.__dict__["apply"].__func__ is not _apply:
-        _Function.apply = classmethod(_apply)
+        # patched on purpose: every Function's apply goes through _apply
+        _Function.apply = classmethod(_apply)  # type: ignore[method-assign, assignment]
 
 
-def _apply(cls, *args, **kwargs):
+def _apply(cls: type[_Function], *args: Any, **kwargs: Any) -> Any:
     args = tuple(_stood_for(a) for a in args)
     if not any(isinstance(a, DomainTensor) for a in args) \
             or torch._C._are_functorch_transforms_active():
@@ -71,7 +76,7 @@ def _apply(cls, *args, **kwargs):
         args, kwargs = bound.args, bound.kwargs
     if kwargs:  # the original refuses these with torch's own error
         return _ORIGINAL_APPLY(cls, *args, **kwargs)
-    outputs: dict = {}
+    outputs: dict[str, Any] = {}
     token = _PENDING.set((cls, args, outputs))
     try:
         blocks = _ORIGINAL_APPLY(_lifted(cls), *[_block(a) for a in args])
@@ -80,18 +85,18 @@ def _apply(cls, *args, **kwargs):
     return _rewrap(blocks, outputs["user"])
 
 
-def _stood_for(a):
+def _stood_for(a: Any) -> Any:
     """``a``, or what it stands for when it is a stand-in with no layout yet
     (``nn/factories.py``'s pending buffer: the plain tensor, a plain use)."""
     resolve = getattr(a, "_stand_in_for", None) if isinstance(a, DomainTensor) else None
     return a if resolve is None else resolve()
 
 
-def _block(a):
+def _block(a: Any) -> Any:
     return a._local if isinstance(a, DomainTensor) else a
 
 
-def _rewrap(blocks, user_out):
+def _rewrap(blocks: Any, user_out: Any) -> Any:
     """The lifted Function's outputs as the user's forward returned them:
     DomainTensors again, the same object for a DomainTensor modified in place."""
     if not isinstance(blocks, tuple):
@@ -99,7 +104,7 @@ def _rewrap(blocks, user_out):
     return tuple(_rewrap_one(b, u) for b, u in zip(blocks, user_out))
 
 
-def _rewrap_one(block, user):
+def _rewrap_one(block: Any, user: Any) -> Any:
     if not isinstance(user, DomainTensor):
         return block
     if block is user._local:  # marked dirty (in place): autograd kept the object
@@ -115,7 +120,7 @@ def _lifted(cls: type) -> type:
         lifted = type(cls.__name__, (_OnBlocks,), {"__module__": cls.__module__,
                                                     "__qualname__": cls.__qualname__,
                                                     "_user": cls})
-        ctx_cls = lifted._backward_cls
+        ctx_cls = lifted._backward_cls  # type: ignore[attr-defined]  # set by torch's FunctionMeta
         for name in _CTX_OVERRIDES:
             setattr(ctx_cls, name, _CTX_OVERRIDES[name])
         ctx_cls.saved_tensors = property(_saved_tensors)
@@ -127,7 +132,7 @@ class _OnBlocks(_Function):
     _user: type
 
     @staticmethod
-    def forward(ctx, *blocks):
+    def forward(ctx: Any, *blocks: Any) -> Any:
         cls, args, outputs = _PENDING.get()
         ctx._domainpar_user = cls
         if cls.setup_context is not _Function.setup_context:
@@ -144,7 +149,7 @@ class _OnBlocks(_Function):
         return _block(out)
 
     @staticmethod
-    def backward(ctx, *grads):
+    def backward(ctx: Any, *grads: Any) -> Any:
         cls = ctx._domainpar_user
         user_fn = cls.vjp if cls.vjp is not _Function.vjp else cls.backward
         result = user_fn(ctx, *_wrap_all(grads, ctx._domainpar_out_decs))
@@ -156,7 +161,7 @@ class _OnBlocks(_Function):
         return unwrapped[0] if single else unwrapped
 
 
-def _grad_block(g, dec, cls, i):
+def _grad_block(g: Any, dec: Decomposition | None, cls: type, i: int) -> Any:
     """The block of the gradient the user's backward returned for input ``i``."""
     if g is None or dec is None:
         if isinstance(g, DomainTensor):
@@ -182,43 +187,45 @@ def _grad_block(g, dec, cls, i):
 
 
 # -- the ctx, seen by the user's forward and backward -------------------------------------------
-def _save_for_backward(ctx, *tensors):
+def _save_for_backward(ctx: Any, *tensors: Any) -> None:
     ctx._domainpar_saved_decs = [t._dec if isinstance(t, DomainTensor) else None
                                  for t in tensors]
     torch.autograd.function.FunctionCtx.save_for_backward(ctx, *map(_block, tensors))
 
 
-def _mark_dirty(ctx, *tensors):
+def _mark_dirty(ctx: Any, *tensors: Any) -> None:
     torch.autograd.function.FunctionCtx.mark_dirty(ctx, *map(_block, tensors))
 
 
-def _mark_non_differentiable(ctx, *tensors):
+def _mark_non_differentiable(ctx: Any, *tensors: Any) -> None:
     torch.autograd.function.FunctionCtx.mark_non_differentiable(ctx, *map(_block, tensors))
 
 
-def _register_hook(ctx, hook):
+def _register_hook(ctx: Any, hook: Callable[..., Any]) -> Any:
     """A node hook (``grad_fn.register_hook``, as module full backward hooks use)
     sees DomainTensor gradients; what it returns goes back as blocks."""
-    def on_blocks(grad_inputs, grad_outputs):
+    def on_blocks(grad_inputs: tuple[Any, ...],
+                  grad_outputs: tuple[Any, ...]) -> tuple[Any, ...] | None:
         out = hook(_wrap_all(grad_inputs, ctx._domainpar_in_decs),
                    _wrap_all(grad_outputs, ctx._domainpar_out_decs))
         return None if out is None else tuple(_block(g) for g in out)
     return torch._C._FunctionBase.register_hook(ctx, on_blocks)
 
 
-def _register_prehook(ctx, hook):
-    def on_blocks(grad_outputs):
+def _register_prehook(ctx: Any, hook: Callable[..., Any]) -> Any:
+    def on_blocks(grad_outputs: tuple[Any, ...]) -> tuple[Any, ...] | None:
         out = hook(_wrap_all(grad_outputs, ctx._domainpar_out_decs))
         return None if out is None else tuple(_block(g) for g in out)
     return torch._C._FunctionBase.register_prehook(ctx, on_blocks)
 
 
-def _wrap_all(grads, decs):
+def _wrap_all(grads: Iterable[Any], decs: Iterable[Decomposition | None]) -> tuple[Any, ...]:
     return tuple(g if g is None or d is None else DomainTensor(g, d) for g, d in zip(grads, decs))
 
 
-def _saved_tensors(ctx):
-    saved = torch._C._FunctionBase.saved_tensors.__get__(ctx, type(ctx))
+def _saved_tensors(ctx: Any) -> tuple[Any, ...]:
+    # the C getter (torch's stubs declare saved_tensors a plain tuple attribute)
+    saved = torch._C._FunctionBase.saved_tensors.__get__(ctx, type(ctx))  # type: ignore[attr-defined]
     return _wrap_all(saved, getattr(ctx, "_domainpar_saved_decs", [None] * len(saved)))
 
 

@@ -5,12 +5,16 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
+from mpi4py import MPI
+
 from ..comm.decomposition import Decomposition
 from ..comm.errors import LayoutError
+from ..comm.grid import ProcessGrid
 
 
 def derive(like: Decomposition, global_shape: Sequence[int], shard: Mapping[int, int],
-           sizes: Mapping[int, Sequence[int]] | None = None, grid=None) -> Decomposition:
+           sizes: Mapping[int, Sequence[int]] | None = None,
+           grid: ProcessGrid | None = None) -> Decomposition:
     """A decomposition on ``like``'s grid (or ``grid``, one of the same processes:
     a merged grid or its parent); balanced blocks where ``sizes`` is silent."""
     return Decomposition(tuple(global_shape), like.grid if grid is None else grid, dict(shard),
@@ -78,7 +82,7 @@ def unsharded(dec: Decomposition, dims: Sequence[int]) -> Decomposition:
     return derive(dec, dec.global_shape, keep, {d: dec.block_sizes(d) for d in keep})
 
 
-def comm_of(dec: Decomposition, dims: Sequence[int]):
+def comm_of(dec: Decomposition, dims: Sequence[int]) -> MPI.Cartcomm:
     """The communicator over the grid axes that cut ``dims`` (size one when none do)."""
     return dec.grid.sub(dec.shard[d] for d in dims if d in dec.shard)
 
@@ -91,6 +95,6 @@ def sharded_dims_text(dec: Decomposition) -> str:
                      for d, a in dec.shard.items())
 
 
-def _axes_text(grid, axis: int) -> str:
+def _axes_text(grid: ProcessGrid, axis: int) -> str:
     """``grid axis a``; for a merged grid, the axes of the grid the user made."""
     return grid.axes_text(axis) if hasattr(grid, "axes_text") else f"grid axis {axis}"

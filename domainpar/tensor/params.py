@@ -15,8 +15,10 @@ import contextvars
 import weakref
 import zlib
 from collections.abc import Callable, Mapping
+from typing import TypeAlias
 
 import torch
+from mpi4py import MPI
 
 from .. import autograd as ag
 from ..comm.decomposition import Decomposition
@@ -25,26 +27,28 @@ from . import layout
 
 # The active deferrer: ``deferrer(tensor, comm)`` returns the callable that
 # receives the tensor's partial gradient, or None to reduce in the op's backward.
-_DEFERRER: contextvars.ContextVar[Callable | None] = contextvars.ContextVar(
+Deferrer: TypeAlias = Callable[[torch.Tensor, MPI.Cartcomm],
+                               Callable[[torch.Tensor], None] | None]
+_DEFERRER: contextvars.ContextVar[Deferrer | None] = contextvars.ContextVar(
     "domainpar_deferrer", default=None)
 
 
-def set_deferrer(deferrer: Callable | None) -> contextvars.Token:
+def set_deferrer(deferrer: Deferrer | None) -> contextvars.Token[Deferrer | None]:
     """Local. Make ``deferrer`` the active one (DomainParallel's forward); returns the
     token for ``reset_deferrer``."""
     return _DEFERRER.set(deferrer)
 
 
-def reset_deferrer(token: contextvars.Token) -> None:
+def reset_deferrer(token: contextvars.Token[Deferrer | None]) -> None:
     """Local. Restore the deferrer that was active before ``set_deferrer`` gave ``token``."""
     _DEFERRER.reset(token)
 
 
 # Tensors already found equal on every rank (id -> tensor, weakly): each is checked once.
-_CHECKED: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+_CHECKED: weakref.WeakValueDictionary[int, torch.Tensor] = weakref.WeakValueDictionary()
 
 
-def check_replicated(p: torch.Tensor, comm) -> None:
+def check_replicated(p: torch.Tensor, comm: MPI.Comm) -> None:
     """Collective over ``comm``, the first time it sees ``p``. Raise the same
     MismatchError on every rank if ``p``, which every rank must hold alike,
     differs between ranks.
@@ -80,7 +84,8 @@ def enter_domain(p: torch.Tensor, out_dec: Decomposition, sliced: Mapping[int, i
     grid = out_dec.grid
     check_replicated(p, grid.comm)
     slices = [slice(None)] * p.ndim
-    p_shard, p_sizes = {}, {}
+    p_shard: dict[int, int] = {}
+    p_sizes: dict[int, tuple[int, ...]] = {}
     for pd, od in sliced.items():
         axis = out_dec.shard[od]
         p_shard[pd], p_sizes[pd] = axis, out_dec.block_sizes(od)
