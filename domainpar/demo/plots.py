@@ -129,7 +129,8 @@ def memory_png(path, memory: dict, *, title: str) -> Path:
     ax.set_xticks(x, [f"{n} rank{'s' if n > 1 else ''}" for n in counts])
     ax.set_ylabel("peak memory per rank (MiB)")
     ax.set_title(title)
-    ax.set_ylim(0, 1.25 * max([budget, *estimates.values()]
+    ax.set_xlim(-0.5, len(counts) - 0.5)
+    ax.set_ylim(0, 1.5 * max([budget, *estimates.values()]
                               + [p + (r or 0) for p, r, _ in measured.values()]))
     handles, labels = ax.get_legend_handles_labels()
     unique = dict(zip(labels, handles))
