@@ -36,9 +36,9 @@ def shard_dims(shape, dims) -> tuple[int, ...]:
 
 
 def run(args) -> int:
-    """Collective (it measures on every rank of the job). ``domainpar plan``: measure
-    the model's peak memory on growing blocks, fit it, estimate each grid, print
-    the report; returns the exit status."""
+    """Local (one process; ``--verify`` starts its own MPI job). ``domainpar plan``:
+    measure the model's peak memory on growing blocks over a one-rank grid, fit
+    it, estimate each grid, print and write the report; returns the exit status."""
     from ..comm import init
     init()
     shape = tuple(args.shape)
