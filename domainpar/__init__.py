@@ -4,7 +4,22 @@ The public face: re-exports only (see docs/design.md, "The public names").
 The torch layers load on first use of one of their names, so code that needs
 only the MPI core (``domainpar.comm``) never imports torch.
 """
+from typing import TYPE_CHECKING, Any
+
 from .comm import Decomposition, DomainparError, HaloExchange, LayoutError, MismatchError, ProcessGrid, init
+
+# The names __getattr__ loads on first use, for type checkers (which cannot
+# follow importlib); "x as x" re-exports the ones __all__ leaves out (PEP 484).
+if TYPE_CHECKING:
+    from . import balance as balance
+    from . import io as io
+    from . import points as points
+    from .balance import Balancer
+    from .nn import DomainParallel, sharded_factories
+    from .ops.interop import einsum as einsum
+    from .ops.interop import tensordot as tensordot
+    from .ops.interop import transpose as transpose
+    from .tensor import DomainTensor, UnsupportedOpError, allow_gather, scatter
 
 __version__ = "0.1.0"
 
@@ -19,7 +34,7 @@ _TORCH_NAMES = {"DomainTensor": "tensor", "UnsupportedOpError": "tensor",
 _TORCH_MODULES = ("io", "balance", "points")
 
 
-def __getattr__(name):
+def __getattr__(name: str) -> Any:
     if name in _TORCH_NAMES:
         import importlib
         importlib.import_module(".ops", __name__)
