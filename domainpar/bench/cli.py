@@ -82,6 +82,17 @@ def _bench_balance(args) -> int:
     return 0
 
 
+def _bench_step(args) -> int:
+    from . import step
+    if under_launcher():
+        sys.exit("domainpar bench step launches its own jobs (one per rank count); "
+                 "run it without mpiexec")
+    step.run(ranks=args.ranks, models=args.models, unet_side=args.unet_side,
+             field_side=args.field_side, levels=args.levels, repeats=args.repeats,
+             out=args.out)
+    return 0
+
+
 def _bench_points(args) -> int:
     from . import points
     points.run(points=args.points, k=args.k, cluster=args.cluster, kinds=args.kinds,
@@ -296,6 +307,7 @@ def add_parser(subparsers) -> None:
 
     _add_balance(bench_sub)
     _add_points(bench_sub)
+    _add_step(bench_sub)
 
 
 def _add_points(bench_sub) -> None:
@@ -369,3 +381,36 @@ def _add_balance(bench_sub) -> None:
                               "or CPU time (steadier on a loaded machine)")
     _add_out(balance, "balance")
     balance.set_defaults(run=_bench_balance)
+
+
+def _add_step(bench_sub) -> None:
+    step = bench_sub.add_parser(
+        "step", help="where a training step's time goes, per rank: compute, dispatch, "
+                     "halo, allreduce, waiting (UNet3d, ViT2d, FNO2d on 1, 2, 4 ranks)",
+        description="One training step (forward, MSE loss, backward, SGD; DomainParallel, "
+                    "float32, one torch thread per rank) of UNet3d, ViT2d and FNO2d "
+                    "(domainpar.testing.models), sharded along dim 2 over all ranks, each "
+                    "rank count in its own job. Each rank's step is split, in one run, into "
+                    "local compute, domainpar's Python around the local work of each "
+                    "DomainTensor op (dispatch), agreement checks, halo exchange, allreduce, "
+                    "other communication, waiting for other ranks inside communication, and "
+                    "the instrumentation's own cost; plain steps run interleaved beside the "
+                    "instrumented ones. Also times one DomainTensor op against plain torch on "
+                    "a one-rank grid for blocks of 1k to 1M cells. Run it without mpiexec. "
+                    "Prints tables; writes JSON and a stacked-bar PNG (docs/benchmarks.md).")
+    step.add_argument("--ranks", type=positive(int), nargs="+", default=[1, 2, 4],
+                      help="rank counts, one job each (default 1 2 4)")
+    step.add_argument("--models", nargs="+", choices=["unet3d", "vit2d", "fno2d"],
+                      default=["unet3d", "vit2d", "fno2d"], help="models (default: all three)")
+    step.add_argument("--unet-side", type=positive(int), default=64,
+                      help="the UNet3d's field: 1x2xS^3 (default 64)")
+    step.add_argument("--field-side", type=positive(int), default=128,
+                      help="the 2-D models' field: 1x1xS^2 (default 128)")
+    step.add_argument("--levels", type=positive(int), default=4,
+                      help="the UNet3d's levels (default 4; the field's side per rank must "
+                           "hold 2**(levels-1) cells)")
+    step.add_argument("--repeats", type=positive(int), default=3,
+                      help="instrumented steps per model and rank count, each beside a plain "
+                           "one, after one warm-up (default 3)")
+    _add_out(step, "step")
+    step.set_defaults(run=_bench_step, launches_jobs=True, nprocs=1)

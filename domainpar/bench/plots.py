@@ -341,5 +341,11 @@ def _points(report: dict, plt):
     return plot(report, plt)
 
 
+def _step(report: dict, plt):
+    from .step import plot  # its module draws it: stacked parts per model and rank count
+    return plot(report, plt)
+
+
 _PLOTS = {"halo": _halo, "conv": _conv, "grads": _grads, "attention": _attention, "io": _io,
-          "scaling": _scaling, "balance": _balance, "points": _points}
+          "scaling": _scaling, "balance": _balance, "points": _points,
+          "step": _step}

@@ -46,26 +46,10 @@ def unet_step(grid, shape, width: int = 4, levels: int = 4):
     sharded along dim 2 over ``grid`` (a 1-D ProcessGrid): returns
     (step function, this rank's block shape). Every rank builds the same initial
     model; each generates only its own block of the input and target."""
-    import torch
-    import torch.nn.functional as F
-
-    import domainpar as dp
-
     from ..testing.models import UNet3d
-    torch.manual_seed(0)  # the same initial parameters on every rank
-    model = dp.DomainParallel(UNet3d(in_channels=shape[1], out_channels=shape[1], width=width,
-                                     levels=levels), grid)
-    dec = dp.Decomposition(shape, grid, {SHARDED_DIM: 0})
-    gen = torch.Generator().manual_seed(1 + grid.rank)
-    x = dp.DomainTensor(torch.randn(dec.local_shape(), generator=gen), dec)
-    target = dp.DomainTensor(torch.randn(dec.local_shape(), generator=gen), dec)
-    opt = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
-
-    def step():
-        opt.zero_grad(set_to_none=True)
-        F.mse_loss(model(x), target).backward()
-        opt.step()
-    return step, tuple(dec.local_shape())
+    from .step import training_step
+    return training_step(grid, lambda: UNet3d(in_channels=shape[1], out_channels=shape[1],
+                                              width=width, levels=levels), shape)
 
 
 def time_step(comm, shape, repeats: int, width: int = 4, levels: int = 4, warmup: int = 1,

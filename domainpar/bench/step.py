@@ -1,0 +1,463 @@
+"""`domainpar bench step`: where a training step's time goes, rank by rank.
+
+A training step (forward, mean-squared-error loss, backward, SGD step with
+momentum, ``DomainParallel``, float32, one torch thread per rank) of three
+reference models (``domainpar.testing.models``: UNet3d, ViT2d, FNO2d), the
+field sharded along dim 2 over a 1-D grid of all ranks, on 1, 2 and 4 ranks,
+each rank count in its own job. Each rank's wall time of each step is split,
+in the same run, into:
+
+- ``halo``, ``allreduce``, ``other_comm`` (repartitions, ring shifts, gathers,
+  broadcasts), ``agreement`` (``agree``: the checks that every rank sees the
+  same op): the time in comm/'s blocking calls, timed through
+  ``comm.clock.observing``, less the part counted as waiting;
+- ``waiting``: of each such call, the time from this rank's entry to the
+  latest entry of the ranks it waits for (its grid neighbours for halo
+  exchanges and ring shifts, every rank for collectives), at most the call's
+  length: time blocked for other ranks, not moving bytes. Entry times are
+  read on each rank's clock after a common barrier (exact on one node);
+- ``dispatch``: domainpar's Python around the local work of each DomainTensor
+  call (``tensor.dispatch.observing_ops``: the dispatch, layout derivation,
+  plans, wrapping): the call's time less the torch calls it makes on blocks
+  (timed by a ``TorchFunctionMode`` entered only inside DomainTensor calls)
+  and less its communication;
+- ``instrumentation``: the measured cost of that timing itself (per observed
+  call and per timed torch call, calibrated in the job before the steps);
+- ``compute``: the rest of the step: the torch calls on blocks, backward's
+  kernels (autograd runs on the blocks, outside any DomainTensor call), the
+  optimizer and the model's own Python. It is the remainder, and is checked
+  to be non-negative: a part counted twice would show as a negative remainder.
+
+Besides the instrumented steps, as many plain steps run interleaved with them
+(``plain_step_s``: the slowest rank's median without instrumentation).
+
+The job with the fewest ranks also times one DomainTensor op (``x + y`` and
+``F.gelu``) on a one-rank grid against plain torch on the same block, for
+blocks of 1k to 1M cells: the dispatch overhead per op, in microseconds.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import platform
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+SHARDED_DIM = 2
+PARTS = ("compute", "dispatch", "agreement", "halo", "allreduce", "other_comm", "waiting",
+         "instrumentation")
+MODELS = ("unet3d", "vit2d", "fno2d")
+DEFAULT_RANKS = (1, 2, 4)
+DISPATCH_CELLS = (1_000, 10_000, 100_000, 1_000_000)
+_NEIGHBOUR_WISE = ("HaloExchange.fill", "HaloExchange.accumulate", "PendingShift.wait",
+                   "mirror_exchange")
+
+
+def _kind(name: str) -> str:
+    """The part a comm/ call's time goes to (less its waiting)."""
+    if name.startswith("HaloExchange."):
+        return "halo"
+    if name in ("allreduce", "PendingReduction.wait"):
+        return "allreduce"
+    if name == "agree":
+        return "agreement"
+    return "other_comm"
+
+
+# -- the models ---------------------------------------------------------------------------------
+def model_spec(name: str, unet_side: int, field_side: int, levels: int = 4) -> tuple:
+    """Local. ``(factory, global shape)`` of a benchmark model: the UNet3d on a
+    ``unet_side``^3 field of 2 channels, the 2-D models on ``field_side``^2, one channel."""
+    from ..testing import models
+    if name == "unet3d":
+        return ((lambda: models.UNet3d(2, 2, width=4, levels=levels)),
+                (1, 2, unet_side, unet_side, unet_side))
+    if name == "vit2d":
+        return ((lambda: models.ViT2d((field_side, field_side), patch=4, dim=32, heads=4,
+                                      depth=2)), (1, 1, field_side, field_side))
+    return (lambda: models.FNO2d(width=8, modes=min(8, field_side // 4), layers=4),
+            (1, 1, field_side, field_side))
+
+
+def training_step(grid, factory, shape):
+    """Collective. One training step (MSE loss, SGD with momentum) of ``factory()``
+    in DomainParallel on a random field of global ``shape`` sharded along dim 2
+    over ``grid`` (a 1-D ProcessGrid): returns (step function, this rank's block
+    shape). Every rank builds the same initial model; each generates only its
+    own block of the input and target."""
+    import torch
+    import torch.nn.functional as F
+
+    import domainpar as dp
+    torch.manual_seed(0)  # the same initial parameters on every rank
+    model = dp.DomainParallel(factory(), grid)
+    dec = dp.Decomposition(shape, grid, {SHARDED_DIM: 0})
+    gen = torch.Generator().manual_seed(1 + grid.rank)
+    x = dp.DomainTensor(torch.randn(dec.local_shape(), generator=gen), dec)
+    target = dp.DomainTensor(torch.randn(dec.local_shape(), generator=gen), dec)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
+
+    def step():
+        opt.zero_grad(set_to_none=True)
+        F.mse_loss(model(x), target).backward()
+        opt.step()
+    return step, tuple(dec.local_shape())
+
+
+# -- the recorder -------------------------------------------------------------------------------
+class Recorder:
+    """Local. What one rank's step spends where: comm/ calls (kind, entry time,
+    length, inside a DomainTensor call or not), the DomainTensor calls' time and
+    the torch calls they make on blocks. ``recording()`` turns both hooks on."""
+
+    def __init__(self):
+        self.t0 = 0.0
+        self.reset()
+
+    def reset(self, t0: float = 0.0) -> None:
+        """Local. Start a step at ``t0`` (``perf_counter``)."""
+        self.t0, self.calls, self.in_op = t0, [], False
+        self.op_s = self.local_s = 0.0
+        self.ops = self.local_calls = 0
+
+    @contextlib.contextmanager
+    def comm_call(self, name: str):
+        """An observer for ``comm.clock.observing``."""
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.calls.append((name, start - self.t0, time.perf_counter() - start, self.in_op))
+
+    @contextlib.contextmanager
+    def op_call(self, func):
+        """An observer for ``dispatch.observing_ops``: the call's time, its torch calls timed."""
+        self.in_op = True
+        start = time.perf_counter()
+        try:
+            with _LocalClock(self):
+                yield
+        finally:
+            self.op_s += time.perf_counter() - start
+            self.ops += 1
+            self.in_op = False
+
+    @contextlib.contextmanager
+    def recording(self):
+        """Local. Both hooks on for the block."""
+        from ..comm import clock
+        from ..tensor import dispatch
+        with clock.observing(self.comm_call), dispatch.observing_ops(self.op_call):
+            yield
+
+
+def _local_clock_class():
+    from torch.overrides import TorchFunctionMode
+
+    from ..comm import clock
+
+    class LocalClock(TorchFunctionMode):
+        """Times each torch call made inside a DomainTensor call (less comm inside it)."""
+
+        def __init__(self, recorder):
+            super().__init__()
+            self.recorder = recorder
+
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            self.recorder.local_calls += 1
+            if getattr(func, "__name__", "") in ("__get__", "__set__"):  # metadata: dispatch
+                return func(*args, **(kwargs or {}))
+            blocked, start = clock.blocked_seconds(), time.perf_counter()
+            try:
+                return func(*args, **(kwargs or {}))
+            finally:
+                took = time.perf_counter() - start - (clock.blocked_seconds() - blocked)
+                self.recorder.local_s += took
+    return LocalClock
+
+
+_CLASSES: dict = {}
+
+
+def _LocalClock(recorder):  # noqa: N802 (a class made once torch is imported)
+    if "clock" not in _CLASSES:
+        _CLASSES["clock"] = _local_clock_class()
+    return _CLASSES["clock"](recorder)
+
+
+# -- one step's parts ---------------------------------------------------------------------------
+def _waits(per_rank_calls: list[list], rank: int, size: int) -> list[float] | None:
+    """Local. This rank's waiting in each of its comm calls, from every rank's
+    (name, entry, length) lists; None where the ranks' call sequences differ."""
+    mine = per_rank_calls[rank]
+    if any([c[0] for c in calls] != [c[0] for c in mine] for calls in per_rank_calls):
+        return None
+    waits = []
+    for i, (name, entry, took, _) in enumerate(mine):
+        if name in _NEIGHBOUR_WISE:
+            peers = [r for r in (rank - 1, rank + 1) if 0 <= r < size] or [rank]
+        else:
+            peers = range(size)
+        latest = max(per_rank_calls[r][i][1] for r in peers)
+        waits.append(min(took, max(0.0, latest - entry)))
+    return waits
+
+
+def step_parts(rec: Recorder, wall: float, waits, costs: dict) -> dict:
+    """Local. The parts of one step of ``wall`` seconds (they sum to it)."""
+    parts = dict.fromkeys(PARTS, 0.0)
+    comm_in_ops = 0.0
+    for (name, _, took, in_op), wait in zip(rec.calls, waits or [0.0] * len(rec.calls)):
+        parts[_kind(name)] += took - wait
+        parts["waiting"] += wait
+        comm_in_ops += took if in_op else 0.0
+    parts["instrumentation"] = rec.ops * costs["per_op_s"] + rec.local_calls * costs["per_call_s"]
+    parts["dispatch"] = rec.op_s - rec.local_s - comm_in_ops - parts["instrumentation"]
+    parts["compute"] = wall - sum(v for k, v in parts.items() if k != "compute")
+    return parts
+
+
+def calibrate(repeats: int = 2000, rounds: int = 7) -> dict:
+    """Local. The instrumentation's own cost (medians of interleaved rounds): per
+    timed torch call (``torch.add`` of tiny tensors, timed against untimed) and
+    per observed DomainTensor call (reading ``requires_grad`` of a DomainTensor
+    on a one-rank grid, observed against unobserved: a call whose own work is
+    tiny, so that the difference is the hooks' and no op's noise)."""
+    import statistics
+
+    import torch
+    from mpi4py import MPI
+
+    import domainpar as dp
+    a = torch.ones(4)
+    x = dp.DomainTensor.from_local(torch.ones(4), dp.ProcessGrid((1,), comm=MPI.COMM_SELF),
+                                   shard={0: 0})
+    rec = Recorder()
+
+    def loop(fn):
+        start = time.perf_counter()
+        for _ in range(repeats):
+            fn()
+        return (time.perf_counter() - start) / repeats
+
+    def add():
+        return torch.add(a, a)
+
+    def read():
+        return x.requires_grad
+
+    per_call, per_op = [], []
+    for _ in range(rounds):
+        plain = loop(add)
+        with _LocalClock(rec):
+            per_call.append(loop(add) - plain)
+        plain = loop(read)
+        with rec.recording():
+            per_op.append(loop(read) - plain)
+    return {"per_call_s": max(statistics.median(per_call), 0.0),
+            "per_op_s": max(statistics.median(per_op), 0.0)}
+
+
+def measure_model(comm, factory, shape, repeats: int, costs: dict, warmup: int = 1) -> dict:
+    """Collective. ``repeats`` instrumented steps of the model interleaved with
+    as many plain ones: every rank's mean parts per step and the step times."""
+    import statistics
+
+    from mpi4py import MPI
+
+    from ..comm import ProcessGrid
+    step = training_step(ProcessGrid((comm.Get_size(),), comm=comm), factory, shape)[0]
+    rec = Recorder()
+    for _ in range(warmup):
+        comm.Barrier()
+        step()
+    rows, walls, plain, matched, counts = [], [], [], True, []
+    for _ in range(repeats):
+        comm.Barrier()
+        start = time.perf_counter()
+        step()
+        plain.append(comm.allreduce(time.perf_counter() - start, op=MPI.MAX))
+        comm.Barrier()
+        start = time.perf_counter()
+        rec.reset(start)
+        with rec.recording():
+            step()
+        wall = time.perf_counter() - start
+        waits = _waits(comm.allgather(rec.calls), comm.Get_rank(), comm.Get_size())
+        matched &= waits is not None
+        rows.append(step_parts(rec, wall, waits, costs))
+        walls.append(wall)
+        counts.append((rec.ops, rec.local_calls, len(rec.calls)))
+    mine = {"step_s": statistics.fmean(walls),
+            "parts_s": {k: statistics.fmean(r[k] for r in rows) for k in PARTS},
+            "ops_per_step": counts[-1][0], "block_torch_calls_per_step": counts[-1][1],
+            "comm_calls_per_step": counts[-1][2]}
+    per_rank = comm.allgather(mine)
+    return {"ranks": comm.Get_size(), "global_shape": list(shape), "per_rank": per_rank,
+            "waits_matched": bool(comm.allreduce(int(matched), op=MPI.MIN)),
+            "step_samples_s": [max(s) for s in zip(*comm.allgather(walls))],
+            "plain_step_s": statistics.median(plain), "plain_samples_s": plain,
+            "mean_parts_s": {k: statistics.fmean(r["parts_s"][k] for r in per_rank)
+                             for k in PARTS}}
+
+
+def dispatch_overhead(cells=DISPATCH_CELLS, budget_s: float = 0.02, rounds: int = 5) -> list:
+    """Local. One DomainTensor op on a one-rank grid against plain torch on the
+    same block, per block size: the medians per call and the overhead in us."""
+    import statistics
+
+    import torch
+    import torch.nn.functional as F
+    from mpi4py import MPI
+
+    import domainpar as dp
+    grid = dp.ProcessGrid((1,), comm=MPI.COMM_SELF)
+    table = []
+    for n in cells:
+        a, b = torch.randn(1, 1, n), torch.randn(1, 1, n)
+        x, y = (dp.DomainTensor.from_local(t, grid, shard={2: 0}) for t in (a, b))
+        for op, fn in (("add", lambda u, v: u + v), ("gelu", lambda u, v: F.gelu(u))):
+            calls = max(1, int(budget_s / max(_per_call(fn, a, b, 3), 1e-7)))
+            plain, wrapped = [], []
+            for _ in range(rounds):  # interleaved
+                plain.append(_per_call(fn, a, b, calls))
+                wrapped.append(_per_call(fn, x, y, calls))
+            p, w = statistics.median(plain), statistics.median(wrapped)
+            table.append({"op": op, "cells": n, "torch_us": 1e6 * p, "domaintensor_us": 1e6 * w,
+                          "overhead_us": 1e6 * (w - p), "ratio": w / p})
+    return table
+
+
+def _per_call(fn, u, v, calls: int) -> float:
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn(u, v)
+    return (time.perf_counter() - start) / calls
+
+
+# -- the jobs -----------------------------------------------------------------------------------
+def _worker_main(argv=None) -> int:
+    from . import jobs
+    from .timing import on_rank0
+    parser = argparse.ArgumentParser(description="internal: a job of `domainpar bench step`")
+    parser.add_argument("--worker", action="store_true", required=True)
+    parser.add_argument("--models", nargs="+", choices=MODELS, required=True)
+    parser.add_argument("--unet-side", type=int, required=True)
+    parser.add_argument("--field-side", type=int, required=True)
+    parser.add_argument("--levels", type=int, required=True)
+    parser.add_argument("--repeats", type=int, required=True)
+    parser.add_argument("--dispatch", action="store_true")
+    parser.add_argument("--result", required=True)
+    args = parser.parse_args(argv)
+    import torch
+
+    from ..comm import init
+    from ..progress import Progress
+    comm = init()
+    torch.set_num_threads(1)
+    costs = comm.bcast(calibrate() if comm.Get_rank() == 0 else None, root=0)
+    result = {"instrumentation_costs_s": costs, "models": {}}
+    bar = Progress(len(args.models), f"  {comm.Get_size()} rank(s), models", comm=comm)
+    for name in args.models:
+        factory, shape = model_spec(name, args.unet_side, args.field_side, args.levels)
+        result["models"][name] = measure_model(comm, factory, shape, args.repeats, costs)
+        bar.update(job=name)
+    bar.close()
+    if args.dispatch:
+        result["dispatch_overhead"] = on_rank0(comm, dispatch_overhead)
+    jobs.write_result(result, args.result)
+    return 0
+
+
+def run(ranks=DEFAULT_RANKS, models=MODELS, unet_side: int = 64, field_side: int = 128,
+        levels: int = 4, repeats: int = 3, out: str = "bench-out/step.json", log=print) -> dict:
+    """Local (launches one job per rank count). The step breakdown per model and
+    rank count and the dispatch overhead table; prints them, writes JSON and PNG."""
+    from ..progress import Progress
+    from .jobs import launch
+    from .output import write_json
+    cpus = os.cpu_count() or 1
+    counts = sorted(set(ranks))
+    log(f"domainpar bench step: where a training step's time goes ({', '.join(models)}) on "
+        f"{', '.join(map(str, counts))} ranks, {repeats} instrumented steps each; "
+        f"{cpus} cores here", flush=True)
+    worker = ["--worker", "--models", *models, "--unet-side", str(unet_side), "--field-side",
+              str(field_side), "--levels", str(levels), "--repeats", str(repeats)]
+    load, results = [os.getloadavg()], {}
+    bar = Progress(len(counts), "bench step jobs")
+    with tempfile.TemporaryDirectory() as tmp:
+        for n in counts:
+            extra = ["--dispatch"] if n == counts[0] else []
+            results[n] = launch("domainpar.bench.step", n, worker + extra,
+                                Path(tmp) / "result.json")
+            bar.update(job=f"{n} ranks")
+    bar.close()
+    load.append(os.getloadavg())
+    report = {"benchmark": "step", "rank_counts": counts, "ranks": max(counts),
+              "host": platform.node(), "cpus": cpus, "loadavg_start_end": load,
+              "oversubscribed_rank_counts": [n for n in counts if n > cpus],
+              "torch_threads_per_rank": 1, "repeats": repeats, "parts": list(PARTS),
+              "sharded_dim": SHARDED_DIM, "unet_side": unet_side, "field_side": field_side,
+              "levels": levels,
+              "models": {m: {str(n): results[n]["models"][m] for n in counts} for m in models},
+              "instrumentation_costs_s": {str(n): results[n]["instrumentation_costs_s"]
+                                          for n in counts},
+              "dispatch_overhead": results[counts[0]]["dispatch_overhead"]}
+    _print(report, log)
+    write_json(report, out, log)
+    return report
+
+
+def _print(report: dict, log) -> None:
+    short = {"compute": "compute", "dispatch": "dispatch", "agreement": "agree",
+             "halo": "halo", "allreduce": "allred", "other_comm": "other", "waiting": "wait",
+             "instrumentation": "instr"}
+    log(f"\n{'model':<7} {'ranks':>5} {'step s':>7} {'plain s':>7}  "
+        + " ".join(f"{short[p]:>8}" for p in PARTS) + "   (s per step, mean over ranks)")
+    for model, points in report["models"].items():
+        for n, p in points.items():
+            step = sum(r["step_s"] for r in p["per_rank"]) / len(p["per_rank"])
+            log(f"{model:<7} {n:>5} {step:7.3f} {p['plain_step_s']:7.3f}  "
+                + " ".join(f"{p['mean_parts_s'][k]:8.4f}" for k in PARTS))
+    log(f"\n{'op':<5} {'cells':>8} {'torch us':>9} {'DomainTensor us':>16} "
+        f"{'overhead us':>12} {'ratio':>6}   (one-rank grid)")
+    for row in report["dispatch_overhead"]:
+        log(f"{row['op']:<5} {row['cells']:>8} {row['torch_us']:9.1f} "
+            f"{row['domaintensor_us']:16.1f} {row['overhead_us']:12.1f} {row['ratio']:6.2f}")
+    log(f"{report['cpus']} cores on {report['host']}, load average "
+        f"{report['loadavg_start_end'][0][0]:.1f} at the start: on a loaded machine the "
+        f"waiting and compute parts grow, the figures are not final.")
+
+
+def plot(report: dict, plt):
+    """Local. Stacked bars of the parts (mean over ranks), one panel per model."""
+    models = list(report["models"])
+    fig, axes = plt.subplots(1, len(models), figsize=(4.2 * len(models) + 1, 5), squeeze=False)
+    for ax, model in zip(axes[0], models):
+        points = report["models"][model]
+        ranks = list(points)
+        bottom = [0.0] * len(ranks)
+        for i, part in enumerate(PARTS):
+            values = [points[n]["mean_parts_s"][part] for n in ranks]
+            ax.bar(range(len(ranks)), values, 0.6, bottom=bottom, label=part, color=f"C{i}",
+                   edgecolor="black", linewidth=0.4)
+            bottom = [b + v for b, v in zip(bottom, values)]
+        ax.plot(range(len(ranks)), [points[n]["plain_step_s"] for n in ranks], "k_",
+                markersize=22, label="plain step (slowest rank)")
+        ax.set_xticks(range(len(ranks)))
+        ax.set_xticklabels(ranks)
+        ax.set_xlabel("ranks")
+        ax.set_ylabel("seconds per step (mean over ranks)")
+        ax.set_title(model, fontsize=10)
+        ax.grid(axis="y", alpha=0.3)
+    axes[0][-1].legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    fig.suptitle("Training step (forward, loss, backward, SGD), DomainParallel, sharded along "
+                 f"dim {report['sharded_dim']}: where each rank's time goes")
+    return fig
+
+
+if __name__ == "__main__":
+    sys.exit(_worker_main())
