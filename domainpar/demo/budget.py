@@ -96,6 +96,7 @@ def _settle() -> None:
     freed before ``enforce`` could be reused uncounted); and return what the
     heap holds free now."""
     import ctypes
+
     import torch._dynamo  # noqa: F401
     libc = ctypes.CDLL(None)
     libc.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD)
@@ -180,6 +181,7 @@ def _attempt(args) -> dict:
     rank that runs out of memory beside others aborts the job (they would wait
     for it forever)."""
     import domainpar as dp
+
     from . import surrogate
     comm = dp.init()
     grid = dp.ProcessGrid((comm.Get_size(),))
@@ -217,6 +219,7 @@ def _short(error: str) -> str:
 
 
 def main(argv=None) -> int:
+    """Collective (over the job it runs in). The attempt; its report to --report."""
     parser = argparse.ArgumentParser(prog="python -m domainpar.demo.budget",
                                      description="the demo's one-process attempt")
     parser.add_argument("h5")
