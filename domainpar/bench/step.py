@@ -295,6 +295,7 @@ def measure_model(comm, factory, shape, repeats: int, costs: dict, warmup: int =
             "parts_s": {k: statistics.fmean(r[k] for r in rows) for k in PARTS},
             "ops_per_step": counts[-1][0], "block_torch_calls_per_step": counts[-1][1],
             "comm_calls_per_step": counts[-1][2]}
+    mine["dispatch_us_per_op"] = 1e6 * mine["parts_s"]["dispatch"] / max(counts[-1][0], 1)
     per_rank = comm.allgather(mine)
     return {"ranks": comm.Get_size(), "global_shape": list(shape), "per_rank": per_rank,
             "waits_matched": bool(comm.allreduce(int(matched), op=MPI.MIN)),
@@ -416,12 +417,14 @@ def _print(report: dict, log) -> None:
              "halo": "halo", "allreduce": "allred", "other_comm": "other", "waiting": "wait",
              "instrumentation": "instr"}
     log(f"\n{'model':<7} {'ranks':>5} {'step s':>7} {'plain s':>7}  "
-        + " ".join(f"{short[p]:>8}" for p in PARTS) + "   (s per step, mean over ranks)")
+        + " ".join(f"{short[p]:>8}" for p in PARTS) + f" {'us/op':>6}"
+        + "   (s per step, mean over ranks; us/op: dispatch per DomainTensor call)")
     for model, points in report["models"].items():
         for n, p in points.items():
             step = sum(r["step_s"] for r in p["per_rank"]) / len(p["per_rank"])
             log(f"{model:<7} {n:>5} {step:7.3f} {p['plain_step_s']:7.3f}  "
-                + " ".join(f"{p['mean_parts_s'][k]:8.4f}" for k in PARTS))
+                + " ".join(f"{p['mean_parts_s'][k]:8.4f}" for k in PARTS)
+                + f" {sum(r['dispatch_us_per_op'] for r in p['per_rank']) / int(n):6.0f}")
     log(f"\n{'op':<5} {'cells':>8} {'torch us':>9} {'DomainTensor us':>16} "
         f"{'overhead us':>12} {'ratio':>6}   (one-rank grid)")
     for row in report["dispatch_overhead"]:
