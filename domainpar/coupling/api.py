@@ -246,6 +246,7 @@ def finalize():
     if _session is None:
         _current()  # the usual STATE error
     session = _session
+    assert session is not None  # else _current() raised
     try:
         if not session.broken:
             _agree_call(session, "finalize", (), deadline=True)

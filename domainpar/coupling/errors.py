@@ -92,7 +92,7 @@ def agree(comm: MPI.Comm | None, problem: tuple[int, str] | None, *, signature: 
     alone = comm is None or comm.Get_size() == 1
     if alone and problem is None:
         return
-    if not alone:
+    if comm is not None and not alone:
         flags = np.array([problem is not None, signature, -signature], dtype=np.int64)
         request = comm.Iallreduce(MPI.IN_PLACE, flags, op=MPI.MAX)
         if problem is not None and timeout:
@@ -101,7 +101,8 @@ def agree(comm: MPI.Comm | None, problem: tuple[int, str] | None, *, signature: 
         if not flags[0] and flags[1] == -flags[2]:
             return
     # One process words it like many: "every rank: ...", so messages read alike.
-    stories = [(problem, described)] if alone else comm.allgather((problem, described))
+    stories = [(problem, described)] if alone or comm is None \
+        else comm.allgather((problem, described))
     failing = [(r, p) for r, (p, _) in enumerate(stories) if p is not None]
     if not failing:
         listed = "; ".join(f"rank {r}: {d}" for r, (_, d) in enumerate(stories))

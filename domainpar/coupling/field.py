@@ -20,6 +20,7 @@ has them); the ghosts then hold what the simulation's own exchange would give.
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import numpy as np
 import torch
@@ -34,6 +35,11 @@ from .errors import ARGUMENT, SHAPE, CouplingError, Stage
 
 class Field:
     """Collective to create (``Field.create``). One described array of the simulation."""
+
+    # Set by ``create`` (and the steps it runs), not by __init__.
+    grid: ProcessGrid
+    dtype: np.dtype[Any]
+    _halo: HaloExchange | None
 
     @classmethod
     def create(cls, grid: ProcessGrid, address: int, dtype: int, order: int,

@@ -19,10 +19,12 @@ from __future__ import annotations
 
 import ctypes
 import math
+from typing import Any
 
 import numpy as np
 
-DTYPES = {1: np.dtype(np.float32), 2: np.dtype(np.float64)}  # DP_FLOAT32, DP_FLOAT64
+# DP_FLOAT32, DP_FLOAT64
+DTYPES: dict[int, np.dtype[Any]] = {1: np.dtype(np.float32), 2: np.dtype(np.float64)}
 ORDER_C, ORDER_F = 0, 1
 HOST, DEVICE = 0, 1
 
@@ -40,7 +42,8 @@ def storage_view(address: int, dtype: np.dtype, extents: tuple[int, ...], order:
     if location == DEVICE:
         return _device_view(address, dtype, storage, count)
     raw = (ctypes.c_char * (count * dtype.itemsize)).from_address(address)
-    return np.frombuffer(raw, dtype=dtype, count=count).reshape(storage)
+    # a ctypes array is a buffer; numpy's stubs name only some buffer types
+    return np.frombuffer(raw, dtype=dtype, count=count).reshape(storage)  # type: ignore[call-overload]
 
 
 def logical_view(storage, order: int):

@@ -29,7 +29,9 @@ import importlib.util
 import json
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -74,6 +76,8 @@ def resolve(entry: str):
                 raise FileNotFoundError(f"no file {module_name}")
             name = f"_domainpar_entry_{abs(hash(str(path.resolve())))}"
             spec = importlib.util.spec_from_file_location(name, path)
+            if spec is None or spec.loader is None:
+                raise ImportError(f"{module_name} cannot be loaded as a module")
             module = importlib.util.module_from_spec(spec)
             sys.modules[name] = module  # dataclasses and pickling look modules up here
             spec.loader.exec_module(module)
@@ -118,6 +122,20 @@ class Model:
     """Collective to create (``Model.load``). A replicated model, its optimizer and
     loss, run on Fields of one grid."""
 
+    # Set by ``load`` (and the helpers it runs), not by __init__.
+    grid: ProcessGrid
+    kwargs: dict[str, Any]
+    options: dict[str, Any]
+    loss_fn: Callable[..., torch.Tensor]
+    dtype: torch.dtype | None
+    device: torch.device
+    seed: int
+    module: torch.nn.Module  # the DomainParallel wrapper
+    inner: torch.nn.Module
+    optimizer: torch.optim.Optimizer | None
+    steps: int
+    broken: str | None
+
     @classmethod
     def load(cls, grid: ProcessGrid, entry: str, kwargs_json: str | None,
              options_json: str | None) -> Model:
@@ -145,7 +163,7 @@ class Model:
         self.optimizer = stage.run(ARGUMENT, self._optimizer)
         stage.agree()
         self.steps = 0
-        self.broken: str | None = None
+        self.broken = None
         return self
 
     def _options(self, kwargs_json, options_json):
@@ -163,7 +181,7 @@ class Model:
         dtype = options.get("dtype")
         if dtype is not None and dtype not in DTYPES:
             raise CouplingError(ARGUMENT, f"dtype {dtype!r}: use one of {sorted(DTYPES)}")
-        self.dtype = DTYPES.get(dtype)
+        self.dtype = DTYPES[dtype] if dtype is not None else None
         self.device = torch.device(options.get("device", "cpu"))
         self.seed = int(options.get("seed", 0))
 
@@ -241,10 +259,12 @@ class Model:
                                  "\"optimizer\"): it can only infer")
         stage.run(ARGUMENT, self._check_input, x, target)
         stage.agree()
+        optimizer = self.optimizer
+        assert optimizer is not None  # else stage.agree raised, on every rank
 
         def forward():
             self.module.train()
-            self.optimizer.zero_grad(set_to_none=True)
+            optimizer.zero_grad(set_to_none=True)
             return self.module(x)
         # Agreed between forward and the rest: the loss and backward communicate,
         # so a forward that failed on some ranks only must stop every rank here.
@@ -259,9 +279,9 @@ class Model:
         try:
             stage.agree()
         except CouplingError:
-            self.optimizer.zero_grad(set_to_none=True)
+            optimizer.zero_grad(set_to_none=True)
             raise
-        stage.run(MODEL, self.optimizer.step)
+        stage.run(MODEL, optimizer.step)
         try:
             stage.agree()
         except CouplingError as exc:

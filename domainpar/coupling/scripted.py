@@ -34,7 +34,7 @@ from .errors import ARGUMENT, MODEL, CouplingError
 class Blockwise(torch.nn.Module):
     """A TorchScript module applied per block with ``halo`` ghost cells."""
 
-    def __init__(self, scripted: torch.jit.ScriptModule, halo: int, grid: ProcessGrid):
+    def __init__(self, scripted: torch.jit.ScriptModule, halo: object, grid: ProcessGrid):
         super().__init__()
         if not isinstance(halo, int) or isinstance(halo, bool) or halo < 0:
             raise CouplingError(ARGUMENT, "a TorchScript model needs the option \"halo\": the "
