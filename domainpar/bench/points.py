@@ -93,11 +93,8 @@ def _ranks_step(comm, fn) -> float:
 
 def _halo_points(comm, query, ref, k: int) -> int:
     """Collective. The most reference points one rank receives for knn."""
-    from ..points import search
-    q, r = query.to_local().detach(), ref.to_local().detach()
-    reach = search._knn_reach(comm, q, r, ref, k)
-    route, _ = search._halo(comm, q, r, reach)
-    return comm.allreduce(route.n_recv, op=MPI.MAX)
+    from ..points import knn_halo_size
+    return comm.allreduce(knn_halo_size(query, ref, k), op=MPI.MAX)
 
 
 def _case(comm, grid, one, kind: str, n: int, k: int, cluster: float, repeats: int, bar) -> dict:

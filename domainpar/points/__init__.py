@@ -8,7 +8,7 @@ index_add, scatter_add, scatter_reduce, cdist). docs/points.md is the guide.
 from . import rules  # noqa: F401  (registers the op rules)
 from .partition import Partition, partition
 from .route import Pull, Push, Route, fetch, pull, push
-from .search import gather, knn, radius_search
+from .search import gather, knn, knn_halo_size, radius_search
 
-__all__ = ["Partition", "Pull", "Push", "Route", "fetch", "gather", "knn", "partition", "pull",
-           "push", "radius_search"]
+__all__ = ["Partition", "Pull", "Push", "Route", "fetch", "gather", "knn", "knn_halo_size",
+           "partition", "pull", "push", "radius_search"]

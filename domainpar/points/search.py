@@ -54,6 +54,16 @@ def knn(query: DomainTensor, ref: DomainTensor, k: int):
     return _search(comm, query, ref, reach, k, None)
 
 
+def knn_halo_size(query: DomainTensor, ref: DomainTensor, k: int) -> int:
+    """Collective. How many reference points this rank receives from other ranks
+    for ``knn(query, ref, k)`` (its point halo), found as ``knn`` finds it but
+    without the search; ``domainpar bench points`` reports it."""
+    comm = _check(query, ref, "knn_halo_size")
+    q, r = query.to_local().detach(), ref.to_local().detach()
+    route, _ = _halo(comm, q, r, _knn_reach(comm, q, r, ref, k))
+    return int(route.n_recv)
+
+
 def radius_search(query: DomainTensor, ref: DomainTensor, r: float, max_neighbors: int):
     """Collective. The points of ``ref`` within distance ``r`` (inclusive) of every
     point of ``query``, nearest first (ties by index), at most ``max_neighbors``:
