@@ -60,6 +60,7 @@ def test_parts_sum_to_the_step_and_none_is_negative(report):
                 for part in ("compute", "dispatch", "instrumentation"):
                     assert parts[part] > 0, (model, n, part, parts)
                 assert rank["ops_per_step"] > 0 and rank["block_torch_calls_per_step"] > 0
+                assert 0 <= rank["comm_cpu_s"] <= rank["step_cpu_s"] + 1e-3, rank
                 assert rank["dispatch_us_per_op"] == pytest.approx(
                     1e6 * parts["dispatch"] / rank["ops_per_step"])
 

@@ -29,7 +29,11 @@ in the same run, into:
   to be non-negative: a part counted twice would show as a negative remainder.
 
 Besides the instrumented steps, as many plain steps run interleaved with them
-(``plain_step_s``: the slowest rank's median without instrumentation).
+(``plain_step_s``: the slowest rank's median without instrumentation). Each
+rank's CPU time per step (``step_cpu_s``, ``time.process_time``, and the part
+of it inside comm/'s calls, ``comm_cpu_s``) tells work from time the rank was
+not running: on a loaded or oversubscribed machine a descheduled rank's lost
+time lands in whatever part it was in, mostly compute and waiting.
 
 The job with the fewest ranks also times one DomainTensor op (``x + y`` and
 ``F.gelu``) on a one-rank grid against plain torch on the same block, for
@@ -274,28 +278,22 @@ def measure_model(comm, factory, shape, repeats: int, costs: dict, warmup: int =
     for _ in range(warmup):
         comm.Barrier()
         step()
-    rows, walls, plain, matched, counts = [], [], [], True, []
+    rows, plain = [], []
     for _ in range(repeats):
         comm.Barrier()
         start = time.perf_counter()
         step()
         plain.append(comm.allreduce(time.perf_counter() - start, op=MPI.MAX))
-        comm.Barrier()
-        start = time.perf_counter()
-        rec.reset(start)
-        with rec.recording():
-            step()
-        wall = time.perf_counter() - start
-        waits = _waits(comm.allgather(rec.calls), comm.Get_rank(), comm.Get_size())
-        matched &= waits is not None
-        rows.append(step_parts(rec, wall, waits, costs))
-        walls.append(wall)
-        counts.append((rec.ops, rec.local_calls, len(rec.calls)))
+        rows.append(_recorded_step(comm, step, rec, costs))
+    walls = [r["wall"] for r in rows]
     mine = {"step_s": statistics.fmean(walls),
-            "parts_s": {k: statistics.fmean(r[k] for r in rows) for k in PARTS},
-            "ops_per_step": counts[-1][0], "block_torch_calls_per_step": counts[-1][1],
-            "comm_calls_per_step": counts[-1][2]}
-    mine["dispatch_us_per_op"] = 1e6 * mine["parts_s"]["dispatch"] / max(counts[-1][0], 1)
+            "parts_s": {k: statistics.fmean(r["parts"][k] for r in rows) for k in PARTS},
+            "step_cpu_s": statistics.fmean(r["cpu"] for r in rows),
+            "comm_cpu_s": statistics.fmean(r["comm_cpu"] for r in rows),
+            "ops_per_step": rec.ops, "block_torch_calls_per_step": rec.local_calls,
+            "comm_calls_per_step": len(rec.calls)}
+    mine["dispatch_us_per_op"] = 1e6 * mine["parts_s"]["dispatch"] / max(rec.ops, 1)
+    matched = all(r["matched"] for r in rows)
     per_rank = comm.allgather(mine)
     return {"ranks": comm.Get_size(), "global_shape": list(shape), "per_rank": per_rank,
             "waits_matched": bool(comm.allreduce(int(matched), op=MPI.MIN)),
@@ -304,6 +302,23 @@ def measure_model(comm, factory, shape, repeats: int, costs: dict, warmup: int =
             "mean_parts_s": {k: statistics.fmean(r["parts_s"][k] for r in per_rank)
                              for k in PARTS}}
 
+
+
+def _recorded_step(comm, step, rec: Recorder, costs: dict) -> dict:
+    """Collective. One instrumented step after a barrier: its parts, wall and CPU
+    time (the process's, and the part of it inside comm/'s calls)."""
+    from ..comm import clock
+    comm.Barrier()
+    cpu, comm_cpu = time.process_time(), clock.blocked_seconds(cpu=True)
+    start = time.perf_counter()
+    rec.reset(start)
+    with rec.recording():
+        step()
+    wall = time.perf_counter() - start
+    cpu, comm_cpu = time.process_time() - cpu, clock.blocked_seconds(cpu=True) - comm_cpu
+    waits = _waits(comm.allgather(rec.calls), comm.Get_rank(), comm.Get_size())
+    return {"parts": step_parts(rec, wall, waits, costs), "wall": wall, "cpu": cpu,
+            "comm_cpu": comm_cpu, "matched": waits is not None}
 
 def dispatch_overhead(cells=DISPATCH_CELLS, budget_s: float = 0.02, rounds: int = 5) -> list:
     """Local. One DomainTensor op on a one-rank grid against plain torch on the
@@ -416,13 +431,14 @@ def _print(report: dict, log) -> None:
     short = {"compute": "compute", "dispatch": "dispatch", "agreement": "agree",
              "halo": "halo", "allreduce": "allred", "other_comm": "other", "waiting": "wait",
              "instrumentation": "instr"}
-    log(f"\n{'model':<7} {'ranks':>5} {'step s':>7} {'plain s':>7}  "
+    log(f"\n{'model':<7} {'ranks':>5} {'step s':>7} {'cpu s':>6} {'plain s':>7}  "
         + " ".join(f"{short[p]:>8}" for p in PARTS) + f" {'us/op':>6}"
         + "   (s per step, mean over ranks; us/op: dispatch per DomainTensor call)")
     for model, points in report["models"].items():
         for n, p in points.items():
-            step = sum(r["step_s"] for r in p["per_rank"]) / len(p["per_rank"])
-            log(f"{model:<7} {n:>5} {step:7.3f} {p['plain_step_s']:7.3f}  "
+            step, cpu = (sum(r[k] for r in p["per_rank"]) / int(n) for k in ("step_s",
+                                                                             "step_cpu_s"))
+            log(f"{model:<7} {n:>5} {step:7.3f} {cpu:6.3f} {p['plain_step_s']:7.3f}  "
                 + " ".join(f"{p['mean_parts_s'][k]:8.4f}" for k in PARTS)
                 + f" {sum(r['dispatch_us_per_op'] for r in p['per_rank']) / int(n):6.0f}")
     log(f"\n{'op':<5} {'cells':>8} {'torch us':>9} {'DomainTensor us':>16} "
@@ -451,7 +467,8 @@ def plot(report: dict, plt):
         ax.plot(range(len(ranks)), [points[n]["plain_step_s"] for n in ranks], "k_",
                 markersize=22, label="plain step (slowest rank)")
         ax.set_xticks(range(len(ranks)))
-        ax.set_xticklabels(ranks)
+        ax.set_xticklabels([n + ("\n(> cores)" if int(n) > report["cpus"] else "")
+                            for n in ranks])
         ax.set_xlabel("ranks")
         ax.set_ylabel("seconds per step (mean over ranks)")
         ax.set_title(model, fontsize=10)
