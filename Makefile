@@ -48,7 +48,7 @@ APT_PACKAGES := openmpi-bin libopenmpi-dev gfortran libhdf5-openmpi-dev cmake sl
 # Keep in sync with the `test` extra in pyproject.toml. Installed explicitly
 # because the package itself is installed with --no-deps (see the pkg stamp).
 TEST_REQUIREMENTS := pytest pytest-mpi pytest-timeout hypothesis opt-einsum tensorly einops \
-	monai requests expecttest ruff
+	monai requests expecttest ruff mypy
 # Test requirements installed with --no-deps, after the others: neuraloperator's
 # declared dependencies pull wandb (with some 30 packages), zencfg and configmypy,
 # which its models never import; what they do import is in TEST_REQUIREMENTS.
@@ -130,7 +130,7 @@ TCP_K := fill_equals or accumulate_is or allreduce or allgatherv_equals \
 
 help:
 	@echo "make demo       set up, then the main job on $(DEMO_NP) ranks: a field one process cannot hold (576 MiB per rank) trains sharded; check, plot"
-	echo "make test       set up, then lint (ruff), serial tests, MPI tests on $(NP_LIST) ranks, a subset on $(LARGE_NP) ranks and one on 2 ranks over TCP"
+	echo "make test       set up, then lint (ruff), types (mypy), serial tests, MPI tests on $(NP_LIST) ranks, a subset on $(LARGE_NP) ranks and one on 2 ranks over TCP"
 	echo "make test-large a subset of the MPI tests on 16 ranks (larger grids; not in make test)"
 	echo "make setup      only the setup: apt packages, .venv, parallel h5py, package, kernels"
 	echo "make kernels    (re)build the native kernels with CMake when their sources changed"
@@ -264,7 +264,7 @@ endif
 
 FORCE:
 
-# Lint (ruff), serial tests, then the MPI tests once per size in NP_LIST. All stages run
+# Lint (ruff), types (mypy), serial tests, then the MPI tests once per size in NP_LIST. All stages run
 # (unless FAIL_FAST=1) so one CI log shows every failure; each stage's console
 # output is also kept in build/test-logs/<stage>.out, and the logs of ranks
 # 1..N-1 in build/test-logs/n<N>/ (see tests/run_mpi.py).
@@ -298,6 +298,11 @@ test: setup
 	}
 	# ruff's rules and their reasons: [tool.ruff] in pyproject.toml.
 	stage lint $(PY) -m ruff check --no-cache .
+	# mypy: strict on comm/, autograd/, tensor/, the rest checked; settings and
+	# their reasons in [tool.mypy] of pyproject.toml (its cache: build/mypy-cache).
+	if [ $$failed -eq 0 ] || [ -z "$(FAIL_FAST)" ]; then
+		stage types $(PY) -m mypy
+	fi
 	if [ $$failed -eq 0 ] || [ -z "$(FAIL_FAST)" ]; then
 		stage serial $(PY) -m pytest -q -p no:cacheprovider --color=$$color -m "not mpi" \
 			--timeout=$(TEST_TIMEOUT) $(PYTEST_ARGS) tests
