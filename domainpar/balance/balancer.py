@@ -340,8 +340,9 @@ def _check_options(dec, dims, threshold, smoothing, every, warmup, min_size, uni
     """Local. What is wrong with the Balancer's arguments, or None."""
     if not isinstance(dec, Decomposition):
         return f"Balancer takes a Decomposition, got {type(dec).__name__}"
-    if getattr(dec, "_multi", None):
-        return f"Balancer: dim {dec._multi[0]} is cut over several grid axes; not balanced"
+    multi = getattr(dec, "_multi", ())
+    if multi:
+        return f"Balancer: dim {multi[0]} is cut over several grid axes; not balanced"
     if clock not in ("wall", "cpu"):
         return f"Balancer: clock must be 'wall' or 'cpu', got {clock!r}"
     ndim = len(dec.global_shape)

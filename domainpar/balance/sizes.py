@@ -17,12 +17,17 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
+from typing import Any, TypeAlias
 
 import numpy as np
+import numpy.typing as npt
+
+# Per-rank throughputs or per-coordinate speeds: a list or a numpy array.
+Floats: TypeAlias = Sequence[float] | npt.NDArray[Any]
 
 
 def predicted_time(sizes: Mapping[int, Sequence[int]], shard: Mapping[int, int],
-                   coords: Sequence[Sequence[int]], throughput: Sequence[float]) -> float:
+                   coords: Sequence[Sequence[int]], throughput: Floats) -> float:
     """Local. The slowest rank's time (seconds per cell of the unsharded dims)
     with ``sizes`` ({dim: per-coordinate sizes}) at ``throughput`` (per rank)."""
     worst = 0.0
@@ -32,7 +37,7 @@ def predicted_time(sizes: Mapping[int, Sequence[int]], shard: Mapping[int, int],
     return worst
 
 
-def axis_speeds(throughput: Sequence[float], coords: Sequence[Sequence[int]], axis: int,
+def axis_speeds(throughput: Floats, coords: Sequence[Sequence[int]], axis: int,
                 parts: int) -> np.ndarray:
     """Local. One speed per coordinate along grid ``axis``: the geometric mean of
     the throughputs of the ranks at that coordinate, normalised to sum 1."""
@@ -45,7 +50,7 @@ def axis_speeds(throughput: Sequence[float], coords: Sequence[Sequence[int]], ax
     return speeds / speeds.sum()
 
 
-def proportional_sizes(n: int, speeds: Sequence[float], min_size: int = 1,
+def proportional_sizes(n: int, speeds: Floats, min_size: int = 1,
                        unit: int = 1) -> tuple[int, ...]:
     """Local. ``n`` rows in ``len(speeds)`` blocks, as near ``n * speed`` each as
     whole ``unit``s allow (the rows ``n % unit`` left over go to the last block),
@@ -68,7 +73,7 @@ def proportional_sizes(n: int, speeds: Sequence[float], min_size: int = 1,
 
 def balanced_plan(global_shape: Sequence[int], shard: Mapping[int, int],
                   grid_dims: Sequence[int], coords: Sequence[Sequence[int]],
-                  throughput: Sequence[float], dims: Sequence[int],
+                  throughput: Floats, dims: Sequence[int],
                   min_size: int = 1, unit: Mapping[int, int] | None = None
                   ) -> dict[int, tuple[int, ...]]:
     """Local. New sizes for each dim in ``dims`` (sharded dims) that equalise the
@@ -84,7 +89,7 @@ def balanced_plan(global_shape: Sequence[int], shard: Mapping[int, int],
 
 def gain(current: Mapping[int, Sequence[int]], proposed: Mapping[int, Sequence[int]],
          shard: Mapping[int, int], coords: Sequence[Sequence[int]],
-         throughput: Sequence[float]) -> float:
+         throughput: Floats) -> float:
     """Local. The predicted fraction of the step time saved by moving from
     ``current`` to ``proposed`` sizes (0 when nothing is saved)."""
     before = predicted_time(current, shard, coords, throughput)

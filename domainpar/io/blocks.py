@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping, Sequence, Set
 
 from ..comm.decomposition import Decomposition
 from ..comm.errors import LayoutError
@@ -116,11 +116,12 @@ def _segments(o: int, n: int, size: int, lo: int, hi: int, wrap: bool):
 
 
 def plan(dec: Decomposition, halo_widths: Mapping[int, tuple[int, int]],
-         wraps: set[int] = frozenset(), rank: int | None = None) -> Plan:
+         wraps: Set[int] = frozenset(), rank: int | None = None) -> Plan:
     """Local. The boxes of ``rank``'s block (default: this rank) padded by
     ``halo_widths``, with the dims in ``wraps`` periodic."""
     shape, offsets = dec.local_shape(rank), dec.offsets(rank)
-    per_dim, fills = [], []
+    per_dim: list[list[tuple[int, int, int]]] = []
+    fills: list[tuple[int, int, int]] = []
     for d, (o, n, size) in enumerate(zip(offsets, shape, dec.global_shape)):
         lo, hi = halo_widths.get(d, (0, 0))
         reads, fill = _segments(o, n, size, lo, hi, d in wraps)
@@ -138,7 +139,8 @@ def file_boxes(p: Plan, base: Sequence[int], fortran: bool):
     dims are the logical dims backwards. Empty pieces are None."""
     def fix(t):
         return tuple(t[::-1]) if fortran else tuple(t)
-    boxes = []
+    Box = tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]
+    boxes: list[Box | None] = []
     for piece in p.pieces:
         if piece.empty:
             boxes.append(None)

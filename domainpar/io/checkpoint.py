@@ -333,6 +333,7 @@ def load_checkpoint(path, model=None, optimizer=None, *, grid: ProcessGrid | Non
         grid = ProcessGrid((0,) * axes, comm=comm)
     tensors = {}
     for name, saved in sorted(shards.items()):
+        assert grid is not None  # made above whenever there are shards
         wanted = _for(name, shard)
         try:
             tensors[name] = read(path, f"tensors/{name}", grid,

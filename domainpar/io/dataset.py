@@ -115,7 +115,9 @@ class ShardedDataset:
         threads_ok = not self.mpio or MPI.Query_thread() >= MPI.THREAD_MULTIPLE
         self.prefetch = prefetch and threads_ok
         if seed is None and shuffle:
-            seed = int(np.random.SeedSequence().entropy % (1 << 63))
+            entropy = np.random.SeedSequence().entropy
+            assert isinstance(entropy, int)  # a fresh SeedSequence draws an int
+            seed = int(entropy % (1 << 63))
             seed = self.comm.bcast(seed, root=0)
         self.shuffle, self.seed, self.epoch = shuffle, seed, 0
         self._file = files.open_file(self.path, "r", self.comm, self.mpio,
@@ -177,6 +179,7 @@ class ShardedDataset:
         epoch = self.epoch if epoch is None else epoch
         if not self.shuffle:
             return list(range(len(self)))
+        assert self.seed is not None  # drawn when shuffle is on
         return [int(v) for v in np.random.default_rng((self.seed, epoch)).permutation(len(self))]
 
     def set_epoch(self, epoch: int) -> None:

@@ -47,7 +47,7 @@ def agree(comm: MPI.Comm, problem: str | None) -> None:
 def bcast_outcome(comm: MPI.Comm, fn: Callable[[], T], root: int = 0) -> T:
     """Collective. ``fn()`` run on ``root`` only; its value on every rank, or its
     error raised on every rank as a DataError (one broadcast)."""
-    outcome = None
+    outcome: tuple[T, None] | tuple[None, str] | None = None
     if comm.Get_rank() == root:
         try:
             outcome = (fn(), None)
@@ -55,7 +55,9 @@ def bcast_outcome(comm: MPI.Comm, fn: Callable[[], T], root: int = 0) -> T:
             outcome = (None, str(exc))
         except Exception as exc:  # noqa: BLE001 -- whatever fails on root, the others must hear
             outcome = (None, f"{type(exc).__name__}: {exc}")
-    value, problem = comm.bcast(outcome, root=root) if comm.Get_size() > 1 else outcome
-    if problem is not None:
-        raise DataError(problem)
-    return value
+    shared: tuple[T, None] | tuple[None, str] | None = \
+        comm.bcast(outcome, root=root) if comm.Get_size() > 1 else outcome
+    assert shared is not None  # set on root, and on one process this rank is root
+    if shared[1] is not None:
+        raise DataError(shared[1])
+    return shared[0]

@@ -190,7 +190,9 @@ def inspect(comm: MPI.Comm, path: str, name: str) -> Info:
     every rank gets its Info, or the same DataError (no such file, not HDF5 or
     truncated, no such dataset, a dtype torch cannot hold, a missing part, data
     kept outside the file: see ``guard``)."""
-    return bcast_outcome(comm, lambda: _info(str(path), name, True))
+    info = bcast_outcome(comm, lambda: _info(str(path), name, True))
+    assert info is not None  # required: a missing dataset is a DataError
+    return info
 
 
 def inspect_target(comm: MPI.Comm, path: str, name: str) -> tuple[bool, Info | None]:
@@ -251,6 +253,7 @@ def transfer(dset: h5py.Dataset, array: np.ndarray, boxes: Sequence[Box | None],
             fspace.select_none()
             mspace.select_none()
         else:
+            assert box is not None  # not empty
             fstart, mstart, count = (tuple(int(v) for v in b) for b in box)
             fspace.select_hyperslab(fstart, count)
             mspace.select_hyperslab(mstart, count)

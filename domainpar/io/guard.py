@@ -61,6 +61,7 @@ def visible(comm: MPI.Comm, path: str, how: str, also: Iterable[str] = ()) -> No
     round). ``also``: files that must be readable too (a virtual dataset's parts)."""
     here = os.path.exists(path)
     first = comm.bcast(here, root=0) if comm.Get_size() > 1 else here
+    problem: str | None
     if here != first:
         problem = _unshared(path, here)
     elif not here:

@@ -174,4 +174,5 @@ def read(path, dataset: str, grid: ProcessGrid, shard: Mapping[int, int] | None 
         except (OSError, KeyError) as exc:
             problem = f"reading {path}:{dataset}: {exc}"
     agree(comm, problem)
+    assert padded is not None  # else agree raised, on every rank
     return result(padded, dec, plan)

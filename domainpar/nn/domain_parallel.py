@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+from collections.abc import Sequence
 
 import numpy as np
 import torch
@@ -55,6 +56,7 @@ from torch.utils._pytree import tree_leaves
 
 from ..autograd._arrays import to_array
 from ..comm import collectives
+from ..comm.collectives import PendingReduction
 from ..comm.errors import DomainparError, MismatchError, agree, completes_within, fault_timeout, signature_of
 from ..comm.grid import ProcessGrid
 from ..tensor import params as domain_params
@@ -174,7 +176,7 @@ class _Reducer:
     planned from the parameters used on any rank (agreed after each forward)."""
 
     def __init__(self, named: list[tuple[str, torch.nn.Parameter]], comm: MPI.Comm,
-                 known: list[MPI.Comm], bucket_bytes: int, overlap: bool = True):
+                 known: Sequence[MPI.Comm], bucket_bytes: int, overlap: bool = True):
         self._names = [n for n, _ in named]
         self._params = [p for _, p in named]
         self._index = {id(p): i for i, p in enumerate(self._params)}
@@ -202,7 +204,7 @@ class _Reducer:
         self._missing: list[int] = []
         self._ready: set[int] = set()
         self._next = 0
-        self._launched: list[tuple[list[int], torch.Tensor, object]] = []
+        self._launched: list[tuple[list[int], torch.Tensor, PendingReduction | _Done]] = []
         self._in_backward = False
 
     # -- forward: record uses, then agree on them ---------------------------------------------
@@ -344,6 +346,7 @@ class _Reducer:
         flat = torch.cat([self._partial[i].reshape(-1) if i in self._partial else
                           torch.zeros(self._params[i].numel(), dtype=self._params[i].dtype,
                                       device=self._params[i].device) for i in members])
+        request: PendingReduction | _Done
         if self._overlap:
             request = collectives.iallreduce(to_array(flat), self._dups[c], "sum")
         else:

@@ -42,7 +42,7 @@ them out like ``x``.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -61,7 +61,8 @@ _FACTORIES = {torch.zeros: ("zeros", None), torch.ones: ("ones", None),
               T.new_empty: ("empty", None), T.new_full: ("full", 2),
               torch.zeros_like: ("zeros", None), torch.ones_like: ("ones", None),
               torch.empty_like: ("empty", None), torch.full_like: ("full", 1)}
-_FILL = {"zeros": torch.zeros, "ones": torch.ones, "empty": torch.empty}
+_FILL: dict[str, Callable[..., torch.Tensor]] = {"zeros": torch.zeros, "ones": torch.ones,
+                                                 "empty": torch.empty}
 # Metadata of the global tensor, answered by the pending buffer without deciding it.
 _METADATA = {T.size, T.dim, T.ndimension, T.numel, T.nelement, T.element_size,
              T.is_floating_point, T.is_complex, T.__len__, T.get_device}
@@ -137,7 +138,8 @@ class PendingTensor(DomainTensor):
         dec = _layout_for(self, index, value)
         block = self._recipe.block(dec.local_shape())
         del self._recipe, self._plain
-        self.__class__ = DomainTensor
+        # the pending buffer becomes a DomainTensor in place: the model holds this object
+        self.__class__ = DomainTensor  # type: ignore[assignment]
         self._local, self._dec = block, dec
 
     def plain(self) -> torch.Tensor:
@@ -149,7 +151,8 @@ class PendingTensor(DomainTensor):
 
     _stand_in_for = plain  # tensor/functions.py: a custom Function's argument is a plain use
 
-    def __repr__(self, *, tensor_contents=None) -> str:  # noqa: D105
+    # (mypy 2.4 misreads torch 2.13's __repr__ signature, as for DomainTensor's)
+    def __repr__(self, *, tensor_contents=None) -> str:  # type: ignore[override]  # noqa: D105
         if self._plain is not None:
             return repr(self._plain)
         return (f"PendingTensor(shape={tuple(self.shape)}, dtype={self.dtype}, "
@@ -177,7 +180,9 @@ def _resolved(a):
 def _region_dims(index, shape) -> tuple[list, list]:
     """The buffer dim behind each dim of the region ``buf[index]`` selects (None
     for a dim that ``None`` inserts), and the region's sizes."""
-    dims, sizes, d = [], [], 0
+    dims: list[int | None] = []
+    sizes: list[int] = []
+    d = 0
     for it in _expand_index(T.__setitem__, index, len(shape)):
         if it is None:
             dims.append(None)
