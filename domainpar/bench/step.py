@@ -123,7 +123,8 @@ class Recorder:
 
     def reset(self, t0: float = 0.0) -> None:
         """Local. Start a step at ``t0`` (``perf_counter``)."""
-        self.t0, self.calls, self.in_op = t0, [], False
+        self.t0, self.in_op = t0, False
+        self.calls: list[tuple[str, float, float, bool]] = []
         self.op_s = self.local_s = 0.0
         self.ops = self.local_calls = 0
 
@@ -204,7 +205,7 @@ def _waits(per_rank_calls: list[list], rank: int, size: int) -> list[float] | No
         if name in _NEIGHBOUR_WISE:
             peers = [r for r in (rank - 1, rank + 1) if 0 <= r < size] or [rank]
         else:
-            peers = range(size)
+            peers = list(range(size))
         latest = max(per_rank_calls[r][i][1] for r in peers)
         waits.append(min(took, max(0.0, latest - entry)))
     return waits
@@ -286,12 +287,13 @@ def measure_model(comm, factory, shape, repeats: int, costs: dict, warmup: int =
         plain.append(comm.allreduce(time.perf_counter() - start, op=MPI.MAX))
         rows.append(_recorded_step(comm, step, rec, costs))
     walls = [r["wall"] for r in rows]
-    mine = {"step_s": statistics.fmean(walls),
-            "parts_s": {k: statistics.fmean(r["parts"][k] for r in rows) for k in PARTS},
-            "step_cpu_s": statistics.fmean(r["cpu"] for r in rows),
-            "comm_cpu_s": statistics.fmean(r["comm_cpu"] for r in rows),
-            "ops_per_step": rec.ops, "block_torch_calls_per_step": rec.local_calls,
-            "comm_calls_per_step": len(rec.calls)}
+    mine: dict = {"step_s": statistics.fmean(walls),
+                  "parts_s": {k: statistics.fmean(r["parts"][k] for r in rows)
+                              for k in PARTS},
+                  "step_cpu_s": statistics.fmean(r["cpu"] for r in rows),
+                  "comm_cpu_s": statistics.fmean(r["comm_cpu"] for r in rows),
+                  "ops_per_step": rec.ops, "block_torch_calls_per_step": rec.local_calls,
+                  "comm_calls_per_step": len(rec.calls)}
     mine["dispatch_us_per_op"] = 1e6 * mine["parts_s"]["dispatch"] / max(rec.ops, 1)
     matched = all(r["matched"] for r in rows)
     per_rank = comm.allgather(mine)
