@@ -61,6 +61,10 @@ def test_parts_sum_to_the_step_and_none_is_negative(report):
                     assert parts[part] > 0, (model, n, part, parts)
                 assert rank["ops_per_step"] > 0 and rank["block_torch_calls_per_step"] > 0
                 assert 0 <= rank["comm_cpu_s"] <= rank["step_cpu_s"] + 1e-3, rank
+                by_op = rank["dispatch_by_op"]  # the top of the dispatch part, by op
+                assert by_op and all(row["calls"] > 0 for row in by_op.values())
+                assert sum(row["dispatch_s"] for row in by_op.values()) <= (
+                    parts["dispatch"] + SLACK * step), (model, n, by_op)
                 assert rank["dispatch_us_per_op"] == pytest.approx(
                     1e6 * parts["dispatch"] / rank["ops_per_step"])
 

@@ -83,7 +83,7 @@ def _bench_balance(args) -> int:
 
 
 def _bench_step(args) -> int:
-    from . import step
+    from . import stepreport as step
     if under_launcher():
         sys.exit("domainpar bench step launches its own jobs (one per rank count); "
                  "run it without mpiexec")

@@ -342,7 +342,7 @@ def _points(report: dict, plt):
 
 
 def _step(report: dict, plt):
-    from .step import plot  # its module draws it: stacked parts per model and rank count
+    from .stepreport import plot  # its module draws it: stacked parts per model and rank count
     return plot(report, plt)
 
 

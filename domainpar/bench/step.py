@@ -38,17 +38,16 @@ time lands in whatever part it was in, mostly compute and waiting.
 The job with the fewest ranks also times one DomainTensor op (``x + y`` and
 ``F.gelu``) on a one-rank grid against plain torch on the same block, for
 blocks of 1k to 1M cells: the dispatch overhead per op, in microseconds.
+
+This module measures (the jobs run it: ``python -m domainpar.bench.step
+--worker``); ``bench.stepreport`` launches them and writes the report.
 """
 from __future__ import annotations
 
 import argparse
 import contextlib
-import os
-import platform
 import sys
-import tempfile
 import time
-from pathlib import Path
 
 SHARDED_DIM = 2
 PARTS = ("compute", "dispatch", "agreement", "halo", "allreduce", "other_comm", "waiting",
@@ -119,6 +118,8 @@ class Recorder:
 
     def __init__(self):
         self.t0 = 0.0
+        # per torch callable, over every step since made: [calls, own seconds, torch calls]
+        self.by_op: dict = {}
         self.reset()
 
     def reset(self, t0: float = 0.0) -> None:
@@ -141,14 +142,20 @@ class Recorder:
     def op_call(self, func):
         """An observer for ``dispatch.observing_ops``: the call's time, its torch calls timed."""
         self.in_op = True
+        local, local_calls, calls = self.local_s, self.local_calls, len(self.calls)
         start = time.perf_counter()
         try:
             with _LocalClock(self):
                 yield
         finally:
-            self.op_s += time.perf_counter() - start
+            took = time.perf_counter() - start
+            self.op_s += took
             self.ops += 1
             self.in_op = False
+            entry = self.by_op.setdefault(func, [0, 0.0, 0])
+            entry[0] += 1
+            entry[1] += took - (self.local_s - local) - sum(c[2] for c in self.calls[calls:])
+            entry[2] += self.local_calls - local_calls
 
     @contextlib.contextmanager
     def recording(self):
@@ -295,6 +302,7 @@ def measure_model(comm, factory, shape, repeats: int, costs: dict, warmup: int =
                   "ops_per_step": rec.ops, "block_torch_calls_per_step": rec.local_calls,
                   "comm_calls_per_step": len(rec.calls)}
     mine["dispatch_us_per_op"] = 1e6 * mine["parts_s"]["dispatch"] / max(rec.ops, 1)
+    mine["dispatch_by_op"] = dispatch_by_op(rec.by_op, repeats, costs)
     matched = all(r["matched"] for r in rows)
     per_rank = comm.allgather(mine)
     return {"ranks": comm.Get_size(), "global_shape": list(shape), "per_rank": per_rank,
@@ -305,6 +313,20 @@ def measure_model(comm, factory, shape, repeats: int, costs: dict, warmup: int =
                              for k in PARTS}}
 
 
+
+
+def dispatch_by_op(by_op: dict, steps: int, costs: dict, most: int = 12) -> dict:
+    """Local. The ``most`` DomainTensor calls with the most dispatch time per
+    step (less their instrumentation), by op name: calls and seconds per step."""
+    from ..tensor.dispatch import op_name
+    out: dict = {}
+    for func, (calls, own, local_calls) in by_op.items():
+        row = out.setdefault(op_name(func), {"calls": 0.0, "dispatch_s": 0.0})
+        row["calls"] += calls / steps
+        row["dispatch_s"] += (own - calls * costs["per_op_s"]
+                              - local_calls * costs["per_call_s"]) / steps
+    ranked = sorted(out.items(), key=lambda kv: -kv[1]["dispatch_s"])
+    return dict(ranked[:most])
 
 def _recorded_step(comm, step, rec: Recorder, costs: dict) -> dict:
     """Collective. One instrumented step after a barrier: its parts, wall and CPU
@@ -388,97 +410,6 @@ def _worker_main(argv=None) -> int:
         result["dispatch_overhead"] = on_rank0(comm, dispatch_overhead)
     jobs.write_result(result, args.result)
     return 0
-
-
-def run(ranks=DEFAULT_RANKS, models=MODELS, unet_side: int = 64, field_side: int = 128,
-        levels: int = 4, repeats: int = 3, out: str = "bench-out/step.json", log=print) -> dict:
-    """Local (launches one job per rank count). The step breakdown per model and
-    rank count and the dispatch overhead table; prints them, writes JSON and PNG."""
-    from ..progress import Progress
-    from .jobs import launch
-    from .output import write_json
-    cpus = os.cpu_count() or 1
-    counts = sorted(set(ranks))
-    log(f"domainpar bench step: where a training step's time goes ({', '.join(models)}) on "
-        f"{', '.join(map(str, counts))} ranks, {repeats} instrumented steps each; "
-        f"{cpus} cores here", flush=True)
-    worker = ["--worker", "--models", *models, "--unet-side", str(unet_side), "--field-side",
-              str(field_side), "--levels", str(levels), "--repeats", str(repeats)]
-    load, results = [os.getloadavg()], {}
-    bar = Progress(len(counts), "bench step jobs")
-    with tempfile.TemporaryDirectory() as tmp:
-        for n in counts:
-            extra = ["--dispatch"] if n == counts[0] else []
-            results[n] = launch("domainpar.bench.step", n, worker + extra,
-                                Path(tmp) / "result.json")
-            bar.update(job=f"{n} ranks")
-    bar.close()
-    load.append(os.getloadavg())
-    report = {"benchmark": "step", "rank_counts": counts, "ranks": max(counts),
-              "host": platform.node(), "cpus": cpus, "loadavg_start_end": load,
-              "oversubscribed_rank_counts": [n for n in counts if n > cpus],
-              "torch_threads_per_rank": 1, "repeats": repeats, "parts": list(PARTS),
-              "sharded_dim": SHARDED_DIM, "unet_side": unet_side, "field_side": field_side,
-              "levels": levels,
-              "models": {m: {str(n): results[n]["models"][m] for n in counts} for m in models},
-              "instrumentation_costs_s": {str(n): results[n]["instrumentation_costs_s"]
-                                          for n in counts},
-              "dispatch_overhead": results[counts[0]]["dispatch_overhead"]}
-    _print(report, log)
-    write_json(report, out, log)
-    return report
-
-
-def _print(report: dict, log) -> None:
-    short = {"compute": "compute", "dispatch": "dispatch", "agreement": "agree",
-             "halo": "halo", "allreduce": "allred", "other_comm": "other", "waiting": "wait",
-             "instrumentation": "instr"}
-    log(f"\n{'model':<7} {'ranks':>5} {'step s':>7} {'cpu s':>6} {'plain s':>7}  "
-        + " ".join(f"{short[p]:>8}" for p in PARTS) + f" {'us/op':>6}"
-        + "   (s per step, mean over ranks; us/op: dispatch per DomainTensor call)")
-    for model, points in report["models"].items():
-        for n, p in points.items():
-            step, cpu = (sum(r[k] for r in p["per_rank"]) / int(n) for k in ("step_s",
-                                                                             "step_cpu_s"))
-            log(f"{model:<7} {n:>5} {step:7.3f} {cpu:6.3f} {p['plain_step_s']:7.3f}  "
-                + " ".join(f"{p['mean_parts_s'][k]:8.4f}" for k in PARTS)
-                + f" {sum(r['dispatch_us_per_op'] for r in p['per_rank']) / int(n):6.0f}")
-    log(f"\n{'op':<5} {'cells':>8} {'torch us':>9} {'DomainTensor us':>16} "
-        f"{'overhead us':>12} {'ratio':>6}   (one-rank grid)")
-    for row in report["dispatch_overhead"]:
-        log(f"{row['op']:<5} {row['cells']:>8} {row['torch_us']:9.1f} "
-            f"{row['domaintensor_us']:16.1f} {row['overhead_us']:12.1f} {row['ratio']:6.2f}")
-    log(f"{report['cpus']} cores on {report['host']}, load average "
-        f"{report['loadavg_start_end'][0][0]:.1f} at the start: on a loaded machine the "
-        f"waiting and compute parts grow, the figures are not final.")
-
-
-def plot(report: dict, plt):
-    """Local. Stacked bars of the parts (mean over ranks), one panel per model."""
-    models = list(report["models"])
-    fig, axes = plt.subplots(1, len(models), figsize=(4.2 * len(models) + 1, 5), squeeze=False)
-    for ax, model in zip(axes[0], models):
-        points = report["models"][model]
-        ranks = list(points)
-        bottom = [0.0] * len(ranks)
-        for i, part in enumerate(PARTS):
-            values = [points[n]["mean_parts_s"][part] for n in ranks]
-            ax.bar(range(len(ranks)), values, 0.6, bottom=bottom, label=part, color=f"C{i}",
-                   edgecolor="black", linewidth=0.4)
-            bottom = [b + v for b, v in zip(bottom, values)]
-        ax.plot(range(len(ranks)), [points[n]["plain_step_s"] for n in ranks], "k_",
-                markersize=22, label="plain step (slowest rank)")
-        ax.set_xticks(range(len(ranks)))
-        ax.set_xticklabels([n + ("\n(> cores)" if int(n) > report["cpus"] else "")
-                            for n in ranks])
-        ax.set_xlabel("ranks")
-        ax.set_ylabel("seconds per step (mean over ranks)")
-        ax.set_title(model, fontsize=10)
-        ax.grid(axis="y", alpha=0.3)
-    axes[0][-1].legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
-    fig.suptitle("Training step (forward, loss, backward, SGD), DomainParallel, sharded along "
-                 f"dim {report['sharded_dim']}: where each rank's time goes")
-    return fig
 
 
 if __name__ == "__main__":
