@@ -56,7 +56,7 @@ class ProcessGrid:
 
     def __init__(self, dims: Sequence[int] | int | None = None,
                  periodic: bool | Sequence[bool] = False,
-                 comm: MPI.Intracomm | None = None):
+                 comm: MPI.Comm | None = None):
         parent = MPI.COMM_WORLD if comm is None else comm
         size = parent.Get_size()
         if dims is None:
@@ -84,7 +84,9 @@ class ProcessGrid:
             problem, periodic = str(exc), ()
         agree(parent, problem, signature=signature_of(dims, periodic),
               what="ProcessGrid dims and periodic", described=f"dims={dims} periodic={periodic}")
-        cart = parent.Create_cart(list(dims), periods=list(periodic), reorder=False)
+        # (an intracommunicator: mpi4py's stubs type Split and Dup results as Comm)
+        cart = cast(MPI.Intracomm, parent).Create_cart(list(dims), periods=list(periodic),
+                                                       reorder=False)
         self._init_from_cart(cart)
 
     @classmethod

@@ -66,12 +66,13 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import math
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
 from .. import autograd as ag
-from ..comm.decomposition import balanced_sizes
+from ..comm.decomposition import Decomposition, balanced_sizes
 from ..tensor import layout
 from ..tensor.dispatch import UnsupportedOpError, op_name, register, same_grid
 from ..tensor.domain_tensor import DomainTensor
@@ -120,7 +121,8 @@ def attention(func, q, k, v, *, masks=(), causal=False, scale=None, gqa=False):
     q4, k4, v4 = (_canonical(_bring(t, d, axes, grid), n)
                   for t, d in ((q, plan.q), (k, plan.k), (v, plan.v)))
     seq = n - 2
-    offsets, coord = (0, k.shape[seq]), 0
+    offsets: tuple[int, ...] = (0, k.shape[seq])
+    coord = 0
     if plan.axis is not None:
         offsets = tuple(itertools.accumulate(plan.k.block_sizes(seq), initial=0))
         coord = grid.coords[plan.axis]
@@ -159,10 +161,10 @@ def _check_operands(func, q, k, v, masks, groups: int) -> None:
 
 @dataclasses.dataclass
 class _Plan:
-    q: object        # Decompositions the blocks are brought onto
-    k: object
-    v: object
-    out: object
+    q: Decomposition  # the layouts the blocks are brought onto
+    k: Decomposition
+    v: Decomposition
+    out: Decomposition
     axis: int | None  # the grid axis the k/v blocks are cut along (ring or partial)
     partial: bool     # q not cut along the sequence: partial results combined over ``axis``
 
@@ -325,7 +327,7 @@ def multi_head_attention_forward(func, args, kwargs):
         causal = causal and kpm is None
     entered = {}
 
-    def weights(x, i):
+    def weights(x: Any, i: int) -> tuple[Any, Any]:
         """The i-th (q, k, v) projection weight and bias as x's blocks use them."""
         def enter(p, part):
             if p is None:

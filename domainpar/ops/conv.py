@@ -204,6 +204,7 @@ class HaloConv(torch.autograd.Function):
                                                   ctx.padded_shape, mask)
         g_block = None
         if need_in:
+            assert g_padded is not None  # made above whenever need_in
             if ctx.halo is not None:
                 accumulate_in_place(g_padded, ctx.halo)
             g_block = g_padded
@@ -264,6 +265,7 @@ def _padded_backward(grad, block, weight, slabs, spec: _ConvSpec, padded_shape, 
                                          _narrowed(piece, others), weight, spec, mask)
         del piece
         if gi is not None:
+            assert g_padded is not None  # a grad of the input only when mask[0]
             _narrowed(g_padded.narrow(dim, p0, p1 - p0), others).add_(gi)
         g_w = gw if g_w is None else g_w.add_(gw)
         g_b = gb if g_b is None else g_b.add_(gb)

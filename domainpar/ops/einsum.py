@@ -126,7 +126,7 @@ def contract(func, equation: str, operands: list):
         raise _refuse(func, equation,
                       f"internal: {equation!r} read as {explicit!r} gives another shape")
 
-    size = {}
+    size: dict[str, int] = {}
     for term, t in zip(terms, operands):
         for c, n in zip(term, t.shape):
             size[c] = max(size.get(c, 1), n)
@@ -180,7 +180,8 @@ def _sharded_labels(func, equation: str, terms, operands, size):
     """Local. ``({label: (grid axis, block sizes)}, clash)``, the first DomainTensor's
     say per label; ``clash`` is None, or ``((label, operand), (label, operand), axis)``:
     the first two labels of two operands found sharded over one grid axis."""
-    sharded, owner = {}, {}
+    sharded: dict[str, tuple[int, tuple[int, ...]]] = {}  # label -> (axis, block sizes)
+    owner: dict[int, tuple[str, int]] = {}  # axis -> (label, operand)
     for i, (term, t) in enumerate(zip(terms, operands)):
         if not isinstance(t, DomainTensor):
             continue

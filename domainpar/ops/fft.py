@@ -87,6 +87,7 @@ Refused (UnsupportedOpError on every rank)
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 import torch
 
@@ -105,8 +106,8 @@ class _Family:
     last transform dim when that dim is real-to-complex or complex-to-real (``kind``),
     ``full`` (complex to complex) for the others."""
     kind: str | None  # None (c2c), "r2c" (goes first) or "c2r" (goes last)
-    half: object
-    full: object
+    half: Callable[..., torch.Tensor]
+    full: Callable[..., torch.Tensor]
 
 
 _FAMILIES = {
@@ -190,10 +191,11 @@ def _plan(func, dec: Decomposition, dims, lengths, out_lengths, kind) -> list[_P
     length = dict(zip(dims, lengths))
     out_length = dict(zip(dims, out_lengths))
     half = dims[-1] if kind else None
-    pending, done, phases = list(dims), [], []
+    pending, phases = list(dims), []
+    done: list[int] = []
     while pending:
         src = None
-        if kind == "r2c" and half in pending:
+        if kind == "r2c" and half is not None and half in pending:
             if not _local(dec, half):
                 src = dec = _moved(dec, half, _target(func, dec, half, done, pending))
             group = [d for d in pending if d != half and _local(dec, d)] + [half]
@@ -204,6 +206,7 @@ def _plan(func, dec: Decomposition, dims, lengths, out_lengths, kind) -> list[_P
             group = [d for d in full if _local(dec, d)]
             if not group:
                 d = full[0] if full else half
+                assert d is not None  # only the half dim is left
                 src = dec = _moved(dec, d, _target(func, dec, d, done, pending))
                 group = [d]
         dst = _transformed(dec, {d: out_length[d] for d in group})

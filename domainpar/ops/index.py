@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import operator
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -117,8 +118,9 @@ def _cat(func, tensors, dim: int, lead: Decomposition, out_sizes=None):
     out_shape[dim] = sum(t.shape[dim] for t in tensors)
     sizes = {d: lead.block_sizes(d) for d in lead.shard}
     if dim in lead.shard:
-        sizes[dim] = tuple(out_sizes) if out_sizes is not None else None
-        if sizes[dim] is None:
+        if out_sizes is not None:
+            sizes[dim] = tuple(out_sizes)
+        else:
             from ..comm.decomposition import balanced_sizes
             sizes[dim] = balanced_sizes(out_shape[dim], lead.grid.dims[lead.shard[dim]])
         out_offs = [0]
@@ -234,7 +236,8 @@ def _basic_plan(func, x: DomainTensor, index):
     advanced = [i for i in items if i is not None and _int(i) is None and not isinstance(i, slice)]
     local, cur = x._local, dec
     d = 0          # current dim in (local, cur)
-    drop, squeeze_int = [], []
+    drop: list[int] = []
+    squeeze_int: list[int] = []
     adv_seen = False
     for it in items:
         if it is None:
@@ -396,7 +399,9 @@ def setitem(func, args, kwargs):
             f"supported in assignment")
     # Ints on sharded dims become size-1 slices, so that the region keeps the dim
     # (blocks of 0 or 1) and the value is cut along it like any other dim.
-    region_index, unit_pos, d, out_d = [], [], 0, 0
+    region_index: list[Any] = []
+    unit_pos: list[int] = []
+    d = out_d = 0
     for it in items:
         i = _int(it)
         if it is None:
@@ -475,7 +480,8 @@ def _insert_unit_dims(v: torch.Tensor, positions, ndim_nominal: int):
 def _local_region_index(dec: Decomposition, index, func):
     """The index into this rank's block that addresses its part of the region."""
     items = _expand_index(func, index, dec.ndim)
-    out, d = [], 0
+    out: list[int | slice | None] = []
+    d = 0
     for it in items:
         if it is None:
             out.append(None)
@@ -503,6 +509,7 @@ def flip(func, args, kwargs):
     the input's, reversed)."""
     x = args[0]
     name = getattr(func, "__name__", "flip")
+    dims: Sequence[int]
     if name == "fliplr":
         dims = (1,)
     elif name == "flipud":

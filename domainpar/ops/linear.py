@@ -26,6 +26,7 @@
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -62,7 +63,8 @@ def linear(func, args, kwargs):
     names = ("input", "weight", "bias")
     a = dict(zip(names, args))
     a.update(kwargs)
-    x, weight, bias = a.get("input"), a.get("weight"), a.get("bias")
+    x, bias = a.get("input"), a.get("bias")
+    weight: Any = a.get("weight")  # whatever the caller passed: checked below
     if not isinstance(x, DomainTensor):
         raise UnsupportedOpError(f"{op_name(func)}: only the input may be a DomainTensor")
     _replicated(func, weight, "weight")
@@ -127,8 +129,8 @@ def matmul(func, args, kwargs):
                                f"that it is whole on every rank")
     out_dec = layout.remap(dec, out_shape, dim_map)
     wl = enter_domain(w, out_dec, {})
-    out = torch.matmul(x._local, wl) if x is left else torch.matmul(wl, x._local)
-    return DomainTensor(out, out_dec)
+    product = torch.matmul(x._local, wl) if x is left else torch.matmul(wl, x._local)
+    return DomainTensor(product, out_dec)
 
 
 @register(torch.bmm, T.bmm)
@@ -154,14 +156,15 @@ def softmax(func, args, kwargs):
     """Local along an unsharded dim; collective along a sharded one (global max shift and
     allreduce of exponentials). dim, dtype."""
     log = _F_FORMS.get(func, _FORMS.get(func))
+    assert log is not None  # registered for these forms only
     names = ("input", "dim", "_stacklevel", "dtype") if func in _F_FORMS else \
         ("input", "dim", "dtype")
     a = bind(func, args, kwargs, names, {"_stacklevel": 3})
     x, dim, dtype = a["input"], a["dim"], a["dtype"]
     if dim is None:
         # F.softmax's legacy implicit dim (warns as torch does).
-        dim = F._get_softmax_dim("log_softmax" if log else "softmax", x.ndim,
-                                 a["_stacklevel"])
+        dim = F._get_softmax_dim(  # type: ignore[attr-defined]  # private, not in torch's stubs
+            "log_softmax" if log else "softmax", x.ndim, a["_stacklevel"])
     if not isinstance(dim, int):
         raise UnsupportedOpError(f"{op_name(func)}: dim must be an int on DomainTensors, "
                                  f"got {dim!r}")

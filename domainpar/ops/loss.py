@@ -111,9 +111,10 @@ def _l1_weight_dropped_by_torch():
     """
     frame = sys._getframe(1)
     for _ in range(12):
-        frame = frame.f_back
-        if frame is None:
+        back = frame.f_back
+        if back is None:
             return None
+        frame = back
         if frame.f_code is _L1_CODE:
             return frame.f_locals.get("weight")
     return None

@@ -125,7 +125,7 @@ def _axes(dec: Decomposition, dims) -> list[int]:
     return sorted(dec.shard[d] for d in dims if d in dec.shard)
 
 
-def _member_counts(dec: Decomposition, dims, comm: MPI.Comm, base: int) -> list[int]:
+def _member_counts(dec: Decomposition, dims, comm: MPI.Cartcomm, base: int) -> list[int]:
     """Element count of each member's block over the reduced ``dims``, in ``comm``'s
     rank order: ``base`` (the unsharded reduced extents) times the member's block
     sizes along the sharded ones. From the layout alone, no message."""

@@ -120,9 +120,9 @@ def pad(func, args, kwargs):
     cells = window.gather(DomainTensor(local, stage), plans,
                           wrap=tuple(sharded) if mode == "circular" else ())
     for d, p in plans.items():
-        c = window.coordinate(dec, d)
-        o0, first = p.out_offsets[c], p.need[c][0]
-        index = sources[d][o0:o0 + p.out_sizes[c]] - first
+        coord = window.coordinate(dec, d)
+        o0, first = p.out_offsets[coord], p.need[coord][0]
+        index = sources[d][o0:o0 + p.out_sizes[coord]] - first
         if not (len(index) == cells.shape[d] and np.array_equal(index, np.arange(len(index)))):
             cells = cells.index_select(d, torch.as_tensor(index, device=cells.device))
     return DomainTensor(cells, window.out_layout(dec, out_shape, plans))

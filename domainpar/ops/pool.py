@@ -43,6 +43,8 @@ tied cells than torch's.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -60,7 +62,8 @@ _NN = torch._C._nn
 # The canonical torch kernels the rules run on plain blocks, per spatial rank.
 _MAX_WITH_INDICES = {1: torch.max_pool1d_with_indices, 2: _NN.max_pool2d_with_indices,
                      3: _NN.max_pool3d_with_indices}
-_AVG = {1: torch.avg_pool1d, 2: _NN.avg_pool2d, 3: _NN.avg_pool3d}
+_AVG: dict[int, Callable[..., torch.Tensor]] = {1: torch.avg_pool1d, 2: _NN.avg_pool2d,
+                                                3: _NN.avg_pool3d}
 _ADAPTIVE_AVG = {1: torch.adaptive_avg_pool1d, 2: _NN.adaptive_avg_pool2d,
                  3: _NN.adaptive_avg_pool3d}
 _ADAPTIVE_MAX = {1: torch.adaptive_max_pool1d, 2: _NN.adaptive_max_pool2d,
@@ -151,7 +154,7 @@ def _window_sums(cells: torch.Tensor, nsp: int, kernel, stride) -> torch.Tensor:
 def _divisors(x: DomainTensor, nsp: int, out_dec, kernel, stride, padding,
               count_include_pad: bool) -> torch.Tensor:
     """torch's divisor for each of this rank's outputs, broadcastable to its block."""
-    div = None
+    div: torch.Tensor | None = None
     offsets, counts = out_dec.offsets(), out_dec.local_shape()
     for i, d in enumerate(_spatial(x, nsp)):
         n, k, s, p = x.shape[d], kernel[i], stride[i], padding[i]
@@ -163,6 +166,7 @@ def _divisors(x: DomainTensor, nsp: int, out_dec, kernel, stride, padding,
         shape[i] = counts[d]
         size = (end - start).reshape(shape)
         div = size if div is None else div * size
+    assert div is not None  # a pool has at least one spatial dim
     return div.to(dtype=x.dtype, device=x._local.device)
 
 
@@ -195,7 +199,7 @@ _MAX_NAMES = ("input", "kernel_size", "stride", "padding", "dilation", "ceil_mod
 _MAX_DEFAULTS = {"stride": None, "padding": 0, "dilation": 1, "ceil_mode": False,
                  "return_indices": False}
 # callable -> (spatial dims, argument names, always returns indices)
-_MAX_FUNCS = {}
+_MAX_FUNCS: dict[Any, tuple[int, tuple[str, ...], bool]] = {}
 for _n in (1, 2, 3):
     _MAX_FUNCS[getattr(F, f"max_pool{_n}d")] = (_n, _MAX_NAMES, False)  # boolean_dispatch
     _MAX_FUNCS[getattr(F, f"_max_pool{_n}d")] = (_n, _MAX_NAMES, False)
@@ -264,7 +268,7 @@ def _max_over(x: DomainTensor, dims) -> torch.Tensor:
     else:
         where = flat.argmax(-1, keepdim=True)
         # torch's max pools take the last NaN of a window (the first of tied maxima)
-        nan = torch.isnan(flat) if flat.is_floating_point() else torch.zeros_like(flat, dtype=bool)
+        nan = torch.isnan(flat) if flat.is_floating_point() else torch.zeros_like(flat, dtype=torch.bool)
         last = flat.shape[-1] - 1 - nan.flip(-1).to(torch.uint8).argmax(-1, keepdim=True)
         where = torch.where(nan.any(-1, keepdim=True), last, where)
         values = flat.gather(-1, where)
@@ -371,7 +375,8 @@ def _adaptive_windows(x: DomainTensor, nsp: int, out_shape, kind: str, indices: 
     return _result(out, idx, out_dec, indices)
 
 
-_ADAPTIVE_FUNCS = {}   # callable -> (spatial dims, kind, argument names, always indices)
+# callable -> (spatial dims, kind, argument names, always indices)
+_ADAPTIVE_FUNCS: dict[Any, tuple[int, str, tuple[str, ...], bool]] = {}
 for _n in (1, 2, 3):
     for _f in {getattr(F, f"adaptive_avg_pool{_n}d"), _ADAPTIVE_AVG[_n]}:
         _ADAPTIVE_FUNCS[_f] = (_n, "avg", ("input", "output_size"), False)

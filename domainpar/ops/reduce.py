@@ -119,7 +119,7 @@ def global_first_index(values, best, indices, comm: MPI.Comm, last_nan: bool = F
     ``indices`` whose ``values`` equal ``best`` (NaN equal to NaN): the first
     extremum, as torch's max(dim) returns it; with ``last_nan`` the largest where
     ``best`` is NaN (torch's max pools). Returns it and whether this rank holds it."""
-    nan = torch.isnan(best) if best.is_floating_point() else torch.zeros_like(best, dtype=bool)
+    nan = torch.isnan(best) if best.is_floating_point() else torch.zeros_like(best, dtype=torch.bool)
     same = (values == best) | (nan & torch.isnan(values))
     big = torch.iinfo(torch.long).max
     key = torch.where(nan, big - indices, indices) if last_nan else indices

@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import Any
 
 import numpy as np
 import torch
@@ -65,7 +66,7 @@ class Taps:
     first with weight 0)."""
     index: np.ndarray   # (K, m) int64
     weight: np.ndarray  # (K, m) in the probe dtype
-    plan_args: tuple    # (first, last, anchor) for window.plan_axis
+    plan_args: tuple[np.ndarray, np.ndarray, np.ndarray]  # (first, last, anchor) for plan_axis
 
 
 def _probe_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -84,6 +85,7 @@ def _run(vectors: torch.Tensor, nsp: int, axis: int, arg, by_size: bool, mode: s
     shape[2 + axis] = vectors.shape[1]
     full = [2] * nsp
     full[axis] = vectors.shape[1]
+    kw: dict[str, Any]
     if by_size:
         size = [2] * nsp
         size[axis] = arg
@@ -94,7 +96,7 @@ def _run(vectors: torch.Tensor, nsp: int, axis: int, arg, by_size: bool, mode: s
         kw = {"scale_factor": scale, "recompute_scale_factor": recompute}
     probe = vectors.reshape(shape).expand(*shape[:2], *full).contiguous()
     out = F.interpolate(probe, mode=mode, align_corners=align_corners, antialias=antialias, **kw)
-    pick = [slice(None), 0] + [0] * nsp
+    pick: list[Any] = [slice(None), 0] + [0] * nsp
     pick[2 + axis] = slice(None)
     return out[tuple(pick)]
 

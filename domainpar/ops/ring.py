@@ -119,6 +119,7 @@ class RingAttention(torch.autograd.Function):
             _block_forward(q, cur[0], cur[1], spec, src, out, lse, pending)
             if pending is not None:
                 RING_WAIT.wait(pending)
+                assert nxt is not None  # posted with pending
                 cur = nxt
         del cur
         if spec.partial:
@@ -154,6 +155,7 @@ class RingAttention(torch.autograd.Function):
                             pending, arriving)
             if arriving is not None:  # this block's gradient from the ranks it visited before
                 RING_WAIT.wait(arriving)
+                assert incoming is not None  # posted with arriving
                 dk += incoming[0]
                 dv += incoming[1]
             if spec.ring and size > 1:  # on to the next rank; after the last step: the owner
@@ -161,9 +163,11 @@ class RingAttention(torch.autograd.Function):
                 arriving = _shift((dk, dv), incoming, comm, _GRAD_TAG)
             if pending is not None:
                 RING_WAIT.wait(pending)
+                assert nxt is not None  # posted with pending
                 cur = nxt
         if arriving is not None:
             RING_WAIT.wait(arriving)
+            assert incoming is not None  # posted with arriving
             dk, dv = incoming
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None
 

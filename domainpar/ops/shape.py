@@ -170,6 +170,7 @@ def squeeze(func, args, kwargs):
     _probe(func, x, args, kwargs)  # torch's argument checks and errors
     dec, ndim = x._dec, x._dec.ndim
     dim = _dim_arg(args, kwargs)
+    dims: Sequence[int]
     if dim is None:
         dims = range(ndim)
     elif isinstance(dim, int):

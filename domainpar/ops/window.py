@@ -35,9 +35,10 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 import numpy as np
+import numpy.typing as npt
 import torch
 import torch.nn.functional as F
 
@@ -70,33 +71,34 @@ class AxisPlan:
         return first - (self.in_offsets[c] - self.lo), stop - first
 
 
-def plan_axis(first: Sequence[int], last: Sequence[int], anchor: Sequence[int] | None,
-              in_sizes: Sequence[int], starts: Sequence[int] | None = None) -> AxisPlan:
+def plan_axis(first: npt.ArrayLike, last: npt.ArrayLike, anchor: npt.ArrayLike | None,
+              in_sizes: Iterable[int], starts: npt.ArrayLike | None = None) -> AxisPlan:
     """The plan for one dim from the per-output arrays (module docstring) and the
     input block sizes along it. ``starts[c]``, the first output of coordinate
     ``c``, is derived from ``anchor``, or given instead of it where ownership is
     known beforehand (the transposed conv: see ``ops/conv.transposed_plan``)."""
-    first, last = np.asarray(first, np.int64), np.asarray(last, np.int64)
-    in_sizes = [int(s) for s in in_sizes]
-    in_offsets = np.concatenate(([0], np.cumsum(in_sizes)[:-1])).astype(np.int64)
-    m = len(first)
+    firsts, lasts = np.asarray(first, np.int64), np.asarray(last, np.int64)
+    sizes = [int(s) for s in in_sizes]
+    in_offsets = np.concatenate(([0], np.cumsum(sizes)[:-1])).astype(np.int64)
+    m = len(firsts)
     if starts is None:
-        starts = np.searchsorted(np.asarray(anchor, np.int64), in_offsets, side="left")
-        starts[0] = 0
-    starts = np.asarray(starts, np.int64)
-    stops = np.append(starts[1:], m)
+        found = np.searchsorted(np.asarray(anchor, np.int64), in_offsets, side="left")
+        found[0] = 0
+        starts = found
+    begins = np.asarray(starts, np.int64)
+    stops = np.append(begins[1:], m)
     lo = hi = 0
     need = []
-    for c, (o0, o1) in enumerate(zip(starts, stops)):
+    for c, (o0, o1) in enumerate(zip(begins, stops)):
         if o1 <= o0:
             need.append((int(in_offsets[c]), int(in_offsets[c])))
             continue
-        f, s = int(first[o0:o1].min()), int(last[o0:o1].max()) + 1
+        f, s = int(firsts[o0:o1].min()), int(lasts[o0:o1].max()) + 1
         need.append((f, s))
         lo = max(lo, int(in_offsets[c]) - f)
-        hi = max(hi, s - int(in_offsets[c]) - in_sizes[c])
-    return AxisPlan(out_sizes=tuple(int(b - a) for a, b in zip(starts, stops)),
-                    out_offsets=tuple(int(a) for a in starts),
+        hi = max(hi, s - int(in_offsets[c]) - sizes[c])
+    return AxisPlan(out_sizes=tuple(int(b - a) for a, b in zip(begins, stops)),
+                    out_offsets=tuple(int(a) for a in begins),
                     in_offsets=tuple(int(a) for a in in_offsets), lo=lo, hi=hi,
                     need=tuple(need))
 

@@ -70,8 +70,8 @@ def estimate(grid: Grid, fits: Mapping[str, Fit], min_block: int, multiple: int 
     for d in grid.sharded:
         block[d] = -(-block[d] // multiple) * multiple
     cells, faces = features(block, grid.dims)
-    return Estimate(grid, *(fits[mode].predict(cells, faces) for mode in MODES),
-                    grid.too_small(min_block))
+    train, inference = (fits[mode].predict(cells, faces) for mode in MODES)
+    return Estimate(grid, train, inference, grid.too_small(min_block))
 
 
 def ranked(shape: Sequence[int], dims: Sequence[int], count: int, fits: Mapping[str, Fit],

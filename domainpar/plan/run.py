@@ -8,6 +8,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -109,8 +110,9 @@ def _per_count(rows, dims, budget, log) -> dict:
     counts that fit it; return those ({} without a budget)."""
     smallest = {m: smallest_fit(rows, budget, m) for m in MODES} if budget else {}
     limit = SHOWN_RANKS
-    if smallest.get("train"):
-        limit = max(limit, 4 * smallest["train"].grid.size)
+    train_fit = smallest.get("train")
+    if train_fit:
+        limit = max(limit, 4 * train_fit.grid.size)
     print("\nbest grid per rank count (estimated peak per rank):", file=log)
     print(table([r for r in rows if r.grid.size <= limit], dims, budget), file=log)
     if smallest:
@@ -181,7 +183,7 @@ def _verify(args, setup: Setup, chosen, log) -> dict:
         if code != 0:
             raise PlanError(f"the verification run failed (exit {code})")
         measured = json.loads(out.read_text())
-    report = {"grid": list(chosen.grid.ranks)}
+    report: dict[str, Any] = {"grid": list(chosen.grid.ranks)}
     for mode in MODES:
         peak, want = max(measured[mode]), getattr(chosen, mode)
         report[mode] = {"measured_bytes": measured[mode], "estimated_bytes": want,

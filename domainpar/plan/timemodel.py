@@ -196,7 +196,7 @@ def limiting(rows: Sequence[dict]) -> dict:
         if efficiency < 0.5:
             parts = {k: r[k] for k in CATEGORIES if k != "compute"}
             parts["fixed compute (per-step overhead)"] = r.get("fixed", 0.0)
-            name = max(parts, key=parts.get)
+            name = max(parts, key=lambda k: parts[k])
             return {"ranks": r["ranks"], "efficiency": efficiency, "op": name,
                     "seconds": parts[name], "step": r["step"]}
     return {"ranks": None, "op": None}

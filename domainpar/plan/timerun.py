@@ -11,6 +11,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 from .comms import Event
 from .measure import PlanError, Setup, constraints, ladder, load_factory
@@ -71,7 +72,8 @@ def measure_compute(model: dict, points: int = 4, budget_s: float = 60.0,
     grid = ProcessGrid((1,) * len(dims), comm=MPI.COMM_SELF)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
-    points_out, t0 = [], time.perf_counter()
+    points_out: list[dict[str, Any]] = []
+    t0 = time.perf_counter()
     try:
         for block in blocks or ladder(setup.shape, dims, multiple, min_block):
             if len(points_out) >= points or (len(points_out) >= 3

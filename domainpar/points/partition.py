@@ -241,7 +241,7 @@ def _select(comm, member, keys, gidx, targets, n_groups):
     _bisect(comm, jlo, jhi, live, ties, lambda g, mid: int(np.count_nonzero(
         mine[g] & (keys[g] == hi[g]) & (gidx <= mid))))
     left = np.zeros(len(member), bool)
-    cut = []
+    cut: list[float | None] = []
     for g in range(n_groups):
         if not live[g]:
             left |= mine[g] & (targets[g] >= counts[g])

@@ -202,9 +202,9 @@ def _halo(comm, q, r_block, reach: np.ndarray):
         near = np.nonzero(hit)[0]
         items.append(torch.as_tensor(near, dtype=torch.int64))
         dest.append(torch.full((len(near),), s, dtype=torch.int64))
-    items = torch.cat(items) if items else torch.zeros(0, dtype=torch.int64)
-    dest = torch.cat(dest) if dest else torch.zeros(0, dtype=torch.int64)
-    return Route(comm, dest, torch.zeros_like(dest)), items
+    item_t = torch.cat(items) if items else torch.zeros(0, dtype=torch.int64)
+    dest_t = torch.cat(dest) if dest else torch.zeros(0, dtype=torch.int64)
+    return Route(comm, dest_t, torch.zeros_like(dest_t)), item_t
 
 
 def _search(comm, query, ref, reach: np.ndarray, k: int, r2):
