@@ -1,4 +1,5 @@
-"""`domainpar bench step`: a tiny run on 1 and 2 ranks whose JSON has every
+"""`domainpar bench step`: a tiny run on 1 and 2 ranks (and the same beside it
+with --compare DOMAINPAR_NATIVE=0) whose JSON has every
 part of each step measured, the parts summing to the step, and the dispatch
 overhead table; the hook it times DomainTensor calls by
 (``tensor.dispatch.observing_ops``); the waiting split of comm calls.
@@ -31,7 +32,7 @@ def report(tmp_path_factory):
     proc = subprocess.run(
         [sys.executable, "-m", "domainpar.cli", "bench", "step", "--ranks", "1", "2",
          "--unet-side", "16", "--field-side", "32", "--levels", "3", "--repeats", "2",
-         "--out", str(out)],
+         "--compare", "DOMAINPAR_NATIVE=0", "--out", str(out)],
         env=dict(launch.mpiexec_env(), PYTHONPATH=str(ROOT)), capture_output=True, text=True,
         timeout=600)
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -82,6 +83,18 @@ def test_communication_parts_where_they_must_be(report):
         assert models[model]["1"]["mean_parts_s"]["waiting"] == 0, model
     # the FNO's transforms along the sharded dim move blocks (repartitions)
     assert models["fno2d"]["2"]["mean_parts_s"]["other_comm"] > 0
+
+
+def test_compare_runs_b_beside_a(report):
+    data = report[0]
+    assert data["configurations"]["B"] == {"DOMAINPAR_NATIVE": "0"}
+    assert set(data["configurations"]["A"]) == {"DOMAINPAR_NATIVE"}
+    assert set(data["B"]["models"]) == set(data["models"])
+    for model, ratios in data["ratio_B_over_A"].items():
+        assert set(ratios) == {"1", "2"}
+        b = data["B"]["models"][model]["2"]["per_rank"]
+        assert all(r > 0 for r in ratios.values()) and len(b) == 2
+    assert data["B"]["dispatch_overhead"]
 
 
 def test_dispatch_overhead_table(report):

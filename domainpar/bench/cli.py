@@ -89,7 +89,7 @@ def _bench_step(args) -> int:
                  "run it without mpiexec")
     step.run(ranks=args.ranks, models=args.models, unet_side=args.unet_side,
              field_side=args.field_side, levels=args.levels, repeats=args.repeats,
-             out=args.out)
+             out=args.out, compare=args.compare)
     return 0
 
 
@@ -413,4 +413,5 @@ def _add_step(bench_sub) -> None:
                       help="instrumented steps per model and rank count, each beside a plain "
                            "one, after one warm-up (default 3)")
     _add_out(step, "step")
+    settings.add_argument(step)
     step.set_defaults(run=_bench_step, launches_jobs=True, nprocs=1)

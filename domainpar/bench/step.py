@@ -379,9 +379,26 @@ def _per_call(fn, u, v, calls: int) -> float:
 
 
 # -- the jobs -----------------------------------------------------------------------------------
-def _worker_main(argv=None) -> int:
-    from . import jobs
+def _measure_all(comm, args) -> dict:
+    """Collective. The job's figures: every model's steps, and on request the
+    dispatch table (rank 0, the others waiting)."""
+    from ..progress import Progress
     from .timing import on_rank0
+    costs = comm.bcast(calibrate() if comm.Get_rank() == 0 else None, root=0)
+    result: dict = {"instrumentation_costs_s": costs, "models": {}}
+    bar = Progress(len(args.models), f"  {comm.Get_size()} rank(s), models", comm=comm)
+    for name in args.models:
+        factory, shape = model_spec(name, args.unet_side, args.field_side, args.levels)
+        result["models"][name] = measure_model(comm, factory, shape, args.repeats, costs)
+        bar.update(job=name)
+    bar.close()
+    if args.dispatch:
+        result["dispatch_overhead"] = on_rank0(comm, dispatch_overhead)
+    return result
+
+
+def _worker_main(argv=None) -> int:
+    from . import jobs, settings
     parser = argparse.ArgumentParser(description="internal: a job of `domainpar bench step`")
     parser.add_argument("--worker", action="store_true", required=True)
     parser.add_argument("--models", nargs="+", choices=MODELS, required=True)
@@ -391,23 +408,15 @@ def _worker_main(argv=None) -> int:
     parser.add_argument("--repeats", type=int, required=True)
     parser.add_argument("--dispatch", action="store_true")
     parser.add_argument("--result", required=True)
+    settings.add_argument(parser)
     args = parser.parse_args(argv)
     import torch
 
     from ..comm import init
-    from ..progress import Progress
     comm = init()
     torch.set_num_threads(1)
-    costs = comm.bcast(calibrate() if comm.Get_rank() == 0 else None, root=0)
-    result = {"instrumentation_costs_s": costs, "models": {}}
-    bar = Progress(len(args.models), f"  {comm.Get_size()} rank(s), models", comm=comm)
-    for name in args.models:
-        factory, shape = model_spec(name, args.unet_side, args.field_side, args.levels)
-        result["models"][name] = measure_model(comm, factory, shape, args.repeats, costs)
-        bar.update(job=name)
-    bar.close()
-    if args.dispatch:
-        result["dispatch_overhead"] = on_rank0(comm, dispatch_overhead)
+    with settings.applied(args.compare):  # configuration B's job (also in its environment)
+        result = _measure_all(comm, args)
     jobs.write_result(result, args.result)
     return 0
 
