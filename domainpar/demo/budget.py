@@ -205,6 +205,7 @@ def describe(report: dict, budget: int) -> str:
     """Local. One line on the one-process attempt."""
     peak = report.get("peak_bytes")
     if report["fits"]:
+        assert peak is not None  # a run that fits recorded its peak
         return f"fits: peak {format_bytes(peak)} of the {format_bytes(budget)} budget"
     asked = report.get("requested_bytes")
     more = f", then asked for {format_bytes(asked)} more" if asked else ""

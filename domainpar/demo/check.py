@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+from typing import Any
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -187,8 +188,10 @@ def _compare(got: dict, want: dict, truth: dict | None) -> dict:
         members.setdefault(_group(name), []).append(name)
     report = {}
     for group, names in members.items():
-        scales = tuple(max((float(ref[n].abs().max()) for n in names if ref[n].numel()),
-                           default=0.0) for ref in (want, truth or want))
+        scale_want, scale_truth = (
+            max((float(ref[n].abs().max()) for n in names if ref[n].numel()), default=0.0)
+            for ref in (want, truth or want))
+        scales = (scale_want, scale_truth)
         report[group] = _fold({n: _row(got[n], want[n], None if truth is None else truth[n],
                                        scales) for n in names})
     return report
@@ -202,18 +205,21 @@ def check(model: torch.nn.Module, crop: torch.Tensor, grid: dp.ProcessGrid, shar
     holds), in float64 and float32 (see ``_compare``).
     Returns, the same on every rank, ``{dtype: {quantity: row}}`` and ``ok``."""
     comm = grid.comm
-    want, got = {}, {}
+    want: dict[torch.dtype, dict[str, torch.Tensor]] = {}
+    got: dict[torch.dtype, dict[str, torch.Tensor]] = {}
     for dtype in DTYPES:
         ref_model = _converted(model, dtype).train()
         # The one-process run is rank 0's only: the others wait (asleep) meanwhile.
+        def reference(dtype: torch.dtype = dtype, ref_model: torch.nn.Module = ref_model) -> None:
+            want[dtype] = _one_process(ref_model, crop.to(dtype))
+
         with _precision(dtype):
-            on_rank0(comm, lambda dtype=dtype, ref_model=ref_model: want.__setitem__(
-                dtype, _one_process(ref_model, crop.to(dtype))))
+            on_rank0(comm, reference)
             got[dtype] = _sharded(_converted(model, dtype).train(), crop.to(dtype), grid,
                                   shard, sizes)
 
-    def judge():
-        report = {"float64": _compare(got[torch.float64], want[torch.float64], None),
+    def judge() -> dict[str, Any]:
+        report: dict[str, Any] = {"float64": _compare(got[torch.float64], want[torch.float64], None),
                   "float32": _compare(got[torch.float32], want[torch.float32],
                                       want[torch.float64])}
         report["ok"] = all(r["ok"] for rows in report.values() for r in rows.values())

@@ -88,8 +88,8 @@ class Solver:
         if dec.ndim != 4 or dec.global_shape[0] != 2 or 0 in dec.shard:
             problem = (f"the state must be (2, D, H, W) with dim 0 not sharded; got shape "
                        f"{dec.global_shape}, shard {dec.shard}")
-        elif any(dec.axis_of(d) is None or not dec.grid.periodic[dec.axis_of(d)]
-                 for d in SPATIAL):
+        elif any(a is None or not dec.grid.periodic[a]
+                 for a in (dec.axis_of(d) for d in SPATIAL)):
             problem = (f"dims 1, 2, 3 must each be sharded on a periodic grid axis (the box "
                        f"wraps by halo exchange); got shard {dec.shard}, periodic "
                        f"{dec.grid.periodic}")

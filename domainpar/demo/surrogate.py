@@ -39,6 +39,7 @@ class Surrogate(nn.Module):
             if isinstance(m, nn.Conv3d) and any(m.padding):
                 m.padding_mode = "circular"
         nn.init.zeros_(self.unet.head.weight)
+        assert self.unet.head.bias is not None  # the head conv has a bias
         nn.init.zeros_(self.unet.head.bias)
 
     def forward(self, x):
@@ -86,7 +87,7 @@ def train(path, grid: dp.ProcessGrid, *, steps: int, batch: int, width: int, lr:
     model = Surrogate(width)
     net = dp.DomainParallel(model, grid)
     opt = torch.optim.Adam(net.parameters(), lr=lr)
-    history = {"loss": [], "step_s": [], "read_s": [], "peak_rss_mib": []}
+    history: dict[str, list[float]] = {"loss": [], "step_s": [], "read_s": [], "peak_rss_mib": []}
     bar = Progress(steps, "train", comm=comm)
     bar.enabled = bar.enabled and not quiet
     with dp.io.ShardedDataset(path, "train/inputs", "train/targets", grid=grid, shard=SHARD,
@@ -118,7 +119,7 @@ def _loop(net, opt, batches, steps: int, lr: float, history: dict, bar: Progress
         history["step_s"].append(max(s[0] for s in stats))
         history["read_s"].append(max(s[1] for s in stats))
         history["peak_rss_mib"] = [s[2] for s in stats]
-        bar.update(loss=f"{history['loss'][-1]:.3e}",
+        bar.update(1, loss=f"{history['loss'][-1]:.3e}",
                    step=f"{history['step_s'][-1] * 1e3:.0f} ms",
                    **{"peak RSS": _per_rank_mib(history["peak_rss_mib"])})
 

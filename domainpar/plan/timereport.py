@@ -8,6 +8,7 @@ import json
 import math
 import statistics
 from pathlib import Path
+from typing import Any
 
 from ..progress import Progress
 from .timemodel import CATEGORIES, PROFILES, best_grid, limiting, predict
@@ -45,7 +46,8 @@ def validate(ranks=(1, 2, 3, 4), transports=("default", "tcp"), rounds: int = 2,
     print("tracing one step of each model on 2 ranks ...", flush=True)
     events = traced(models)
     networks = {t: measured_network(t) for t in transports}
-    samples = {(m["name"], p, t): [] for m in models for p in ranks for t in transports}
+    samples: dict[tuple[str, int, str], list[float]] = {
+        (m["name"], p, t): [] for m in models for p in ranks for t in transports}
     points: dict[str, list] = {m["name"]: [] for m in models}
     loads = []
     bar = Progress(rounds * (len(ranks) * len(transports) + 1), "measured runs", every_s=10)
@@ -105,7 +107,7 @@ def project(profiles=("cpu-cluster", "gpu-cluster"), out: str = "bench-out/model
     print("measuring its compute on scaled-down blocks (one process) ...", flush=True)
     compute, points = measure_compute(m, points=5, budget_s=budget_s)
     counts = [2 ** k for k in range(int(math.log2(MAX_RANKS)) + 1)]
-    result = {"model": m, "compute_fit": list(compute.coef), "compute_points": points,
+    result: dict[str, Any] = {"model": m, "compute_fit": list(compute.coef), "compute_points": points,
               "profiles": {}, "strong": {}, "weak": {}, "limits": {}}
     for name in profiles:
         machine = PROFILES[name]
@@ -120,8 +122,8 @@ def project(profiles=("cpu-cluster", "gpu-cluster"), out: str = "bench-out/model
         rows = []
         for p in counts:
             dims = _cubic(p)
-            shape = (1, 2) + tuple(WEAK_BLOCK * d for d in dims)
-            rows.append(predict(events, m["shape"], shape, dims, m["dims"], compute, machine,
+            weak_shape = (1, 2) + tuple(WEAK_BLOCK * d for d in dims)
+            rows.append(predict(events, m["shape"], weak_shape, dims, m["dims"], compute, machine,
                                 traced_on))
         result["weak"][name] = rows
     print(projection_text(result))
@@ -135,7 +137,8 @@ def _cubic(p: int) -> tuple[int, int, int]:
     dims = [1, 1, 1]
     while math.prod(dims) < p:
         dims[dims.index(min(dims))] *= 2
-    return tuple(sorted(dims, reverse=True))
+    big, mid, small = sorted(dims, reverse=True)
+    return big, mid, small
 
 
 def breakdown_table(rows) -> str:
@@ -152,9 +155,9 @@ def projection_text(result) -> str:
     for key, rows in result["strong"].items():
         base = rows[0]["step"]
         lines.append(f"\nstrong scaling, {key} (efficiency = T1 / (P x TP)):")
-        head = ("ranks", "grid", "step", "speed-up", "efficiency", "compute", "halo",
-                "allreduces")
-        body = [(str(r["ranks"]), "x".join(map(str, r["grid"])), _ms(r["step"]),
+        head: tuple[str, ...] = ("ranks", "grid", "step", "speed-up", "efficiency", "compute",
+                                 "halo", "allreduces")
+        body: list[tuple[str, ...]] = [(str(r["ranks"]), "x".join(map(str, r["grid"])), _ms(r["step"]),
                  f"{base / r['step']:.1f}", f"{100 * base / (r['step'] * r['ranks']):.0f}%",
                  _ms(r["compute"]), _ms(r["halo"]),
                  _ms(r["gradient allreduce"] + r["small allreduces"])) for r in rows]
