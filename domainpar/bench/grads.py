@@ -103,6 +103,7 @@ def run(layers: int = 20, width: int = 700, side: int = 16, repeats: int = 7,
         "configurations": configurations(compare), **_figures(samples, counts),
     }
     if compare:
+        assert samples_b is not None and counts_b is not None  # measured when comparing
         result["B"] = _figures(samples_b, counts_b)
         result["ratio_B_over_A"] = ratios(result["B"]["median_step_s"], result["median_step_s"])
     if rank == 0:

@@ -31,6 +31,7 @@ import platform
 import shutil
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import h5py
@@ -68,7 +69,7 @@ class _Paths:
         import domainpar as dp
 
         from ..io import files
-        self.closers = []
+        self.closers: list[Callable[[], object]] = []
         # The read paths name their driver; the epochs with a step follow
         # DOMAINPAR_IO (mpio where h5py has it, unless set otherwise).
         self.driver = "mpio" if files.parallel() else "serial"
@@ -209,6 +210,7 @@ def run(samples: int = 8, channels: int = 2, side: int = 2048, repeats: int = 5,
         "note": "file in the page cache: HDF5/MPI-IO/library overhead, not disk bandwidth",
     }
     if compare:
+        assert timed_b is not None and b is not None  # both made when comparing
         result["B"] = _figures(timed_b, epoch_bytes, mpio, b.driver)
         result["ratio_B_over_A"] = ratios(result["B"]["median_epoch_s"],
                                           result["median_epoch_s"])

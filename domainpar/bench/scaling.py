@@ -26,6 +26,7 @@ import platform
 import sys
 import tempfile
 from pathlib import Path
+from typing import Any
 
 SHARDED_DIM = 2
 DEFAULT_STRONG_SHAPE = (1, 2, 64, 64, 64)
@@ -138,7 +139,7 @@ def run(nprocs: int | None = None, ranks=None, strong_shape=DEFAULT_STRONG_SHAPE
     worker = ["--worker", "--strong-shape", *map(str, strong_shape), "--weak-block",
               *map(str, weak_block), "--repeats", str(repeats), "--width", str(width),
               "--levels", str(levels), "--modes", *modes]
-    results = {name: {} for name in configs}
+    results: dict[str, dict[str, Any]] = {name: {} for name in configs}
     load = [os.getloadavg()]  # a shared machine's other load slows collectives most
     bar = Progress(len(counts) * len(configs), "bench scaling jobs")
     with tempfile.TemporaryDirectory() as tmp:

@@ -53,7 +53,8 @@ def _positive_int(value: str) -> bool:
 
 
 # key -> (what it sets, accepted values (a tuple, or a test), how it is applied in-process)
-KEYS: dict[str, tuple[str, object, Callable[[str | None], None]]] = {
+KEYS: dict[str, tuple[str, tuple[str, ...] | Callable[[str], bool],
+                      Callable[[str | None], None]]] = {
     "DOMAINPAR_HALO_WAY": ("strided halo faces as derived datatypes or packed, untuned",
                            ("datatype", "pack"), _halo_way),
     "DOMAINPAR_NATIVE": ("C pack kernels (1) or numpy copies (0)", ("0", "1"), _native),
@@ -185,7 +186,7 @@ def applied(settings: Mapping[str, str] | None) -> Iterator[None]:
         yield
     finally:
         _set(saved)
-        if threads is not None:
+        if torch is not None and threads is not None:
             torch.set_num_threads(threads)
 
 

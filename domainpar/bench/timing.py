@@ -9,10 +9,13 @@ import statistics
 import sys
 import time
 from collections.abc import Callable, Mapping
+from typing import TypeVar
 
 from mpi4py import MPI
 
 from ..comm.errors import DomainparError
+
+_V = TypeVar("_V")
 
 
 def interleaved(comm: MPI.Comm, paths: Mapping[str, Callable[[], object]], repeats: int,
@@ -44,7 +47,7 @@ def interleaved(comm: MPI.Comm, paths: Mapping[str, Callable[[], object]], repea
     return samples
 
 
-def split_configurations(samples: Mapping[str, list[float]]) -> tuple[dict, dict | None]:
+def split_configurations(samples: Mapping[str, _V]) -> tuple[dict[str, _V], dict[str, _V] | None]:
     """Samples keyed ``name`` (configuration A) and ``B:name`` (B) as (A's, B's);
     B's is None when there are none."""
     a = {k: v for k, v in samples.items() if not k.startswith("B:")}
@@ -132,7 +135,10 @@ def profiled_peak_bytes(work: Callable[[], object]) -> int:
         with quiet_stderr():
             prof.stop()
     # The raw records, not prof.events(): those take seconds to build for a step.
-    records = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events()
+    # (Private profiler fields, set once it ran; torch 2.13 types them as optional
+    # and its memory events without nbytes.)
+    records = sorted((e.start_ns(), e.nbytes())  # type: ignore[union-attr]
+                     for e in prof.profiler.kineto_results.events()  # type: ignore[union-attr]
                      if e.name() == "[memory]")
     live = peak = 0
     for _, nbytes in records:
