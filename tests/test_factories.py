@@ -50,7 +50,7 @@ def _negative_with_ellipsis(v):
 
 
 def _shifted_and_strided(v):
-    out = v.new_zeros(1).new_zeros(v.shape)  # new_zeros of a plain tensor: pending too
+    out = torch.full(v.shape, 0.0, dtype=v.dtype)
     out[:, 1:, 3:11, 2:9] = v[:, :2, 1:9, :7]
     out[:, :1, 1::2, ::3] = v[:, 2:, ::2, :4] - 1
     return out
@@ -184,6 +184,24 @@ def test_plain_uses_give_plain_tensors():
     assert type(y) is dp.DomainTensor and torch.equal(y.full_tensor(), x.full_tensor() * 0.5)
     assert n == 4.0 and shape == (2, 3) and dtype == torch.float32 and numel == 6
     assert torch.equal(e, torch.full((2, 3), 7.0))
+
+
+def test_buffers_shaped_after_plain_tensors_are_plain_blocks():
+    """``*_like``/``new_*`` of a plain tensor (a rank's own block) are not deferred,
+    and a factory buffer given to DomainTensor as a block is its plain tensor:
+    a model that builds a mask on its block (kernels/coupling/tests/
+    fault_models.py's Boundary) runs inside the mode."""
+    grid, shard, sizes = layout(SHAPE, (2,), 1, "uneven")
+    x = shard_like(global_tensor(SHAPE, seed=1), grid, shard, sizes)
+    with dp.sharded_factories():
+        like, new = torch.zeros_like(x.to_local()), x.to_local().new_ones(3)
+        edge = torch.zeros(x.to_local().shape, dtype=x.dtype)
+        edge[:, :, :1] = 1.0                          # a plain write: plain
+        y = x + dp.DomainTensor(edge, x.decomposition) * x
+    assert type(like) is torch.Tensor and type(new) is torch.Tensor
+    assert type(y) is dp.DomainTensor and type(y.to_local()) is torch.Tensor
+    want = x.to_local() * (1 + (torch.arange(x.to_local().shape[2]) < 1).to(x.dtype)[:, None])
+    assert torch.equal(y.to_local(), want)
 
 
 def test_metadata_reads_leave_the_buffer_to_the_write():

@@ -1,6 +1,5 @@
 """Sharded factories: a buffer made by ``torch.zeros`` (``ones``, ``full``,
-``empty``, their ``*_like`` and ``new_*`` forms) on plain arguments takes a layout
-when a DomainTensor is written into it.
+``empty``) from a shape takes a layout when a DomainTensor is written into it.
 
 The idiom of hand-written spectral layers (neuraloperator's SpectralConv, AFNO)::
 
@@ -37,7 +36,10 @@ would be whole on every rank, which is what sharding was asked to avoid), and a
 write whose index holds tensors; the decision is made from layouts and
 the index alone, the same on every rank. Calls with a DomainTensor argument
 (``x.new_zeros``, ``torch.zeros_like(x)``) are not touched: their own rules lay
-them out like ``x``.
+them out like ``x``. Neither are ``*_like`` and ``new_*`` calls on plain tensors:
+a buffer shaped after a plain tensor (often a rank's own block,
+``torch.zeros_like(x.to_local())``) is plain work, and deferring it would only
+hand a wrapper to code that reads its memory directly.
 """
 from __future__ import annotations
 
@@ -56,11 +58,7 @@ from ..tensor.domain_tensor import DomainTensor
 T = torch.Tensor
 # factory -> (what fills a block, index of the fill value among the args or None)
 _FACTORIES = {torch.zeros: ("zeros", None), torch.ones: ("ones", None),
-              torch.empty: ("empty", None), torch.full: ("full", 1),
-              T.new_zeros: ("zeros", None), T.new_ones: ("ones", None),
-              T.new_empty: ("empty", None), T.new_full: ("full", 2),
-              torch.zeros_like: ("zeros", None), torch.ones_like: ("ones", None),
-              torch.empty_like: ("empty", None), torch.full_like: ("full", 1)}
+              torch.empty: ("empty", None), torch.full: ("full", 1)}
 _FILL: dict[str, Callable[..., torch.Tensor]] = {"zeros": torch.zeros, "ones": torch.ones,
                                                  "empty": torch.empty}
 # Metadata of the global tensor, answered by the pending buffer without deciding it.
@@ -281,10 +279,7 @@ def _pending(func, args, kwargs, spec, seen: dict) -> torch.Tensor:
         return func(*args, **kwargs)
     device = kwargs.get("device")
     if device is None:
-        device = args[0].device if func in (T.new_zeros, T.new_ones, T.new_empty, T.new_full,
-                                            torch.zeros_like, torch.ones_like,
-                                            torch.empty_like, torch.full_like) \
-            else torch.get_default_device()
+        device = torch.get_default_device()
     fill = None
     if kind == "full":
         fill = kwargs["fill_value"] if "fill_value" in kwargs else args[fill_at]
@@ -297,8 +292,8 @@ def sharded_factories() -> Iterator[None]:
     """Local. A context in which factory buffers take the layout of the first
     DomainTensor written into them.
 
-    Inside the block, ``torch.zeros``/``ones``/``full``/``empty`` (and their
-    ``*_like`` and ``new_*`` forms on plain tensors) allocate nothing at first.
+    Inside the block, ``torch.zeros``/``ones``/``full``/``empty`` called with a
+    shape allocate nothing at first.
     ``out[index] = value`` with ``value`` a DomainTensor makes ``out`` a
     DomainTensor cut where ``value`` cuts the region (indices are global; each
     rank allocates its block, regions not written keep the fill); any other first

@@ -47,6 +47,12 @@ class DomainTensor(torch.Tensor):
 
     @staticmethod
     def __new__(cls, local: torch.Tensor, decomposition: Decomposition) -> DomainTensor:
+        # A factory buffer of ``dp.sharded_factories`` (nn/factories.py) given as a
+        # block is a plain use: the block is its plain tensor, which holds the data.
+        stand_in = getattr(local, "_stand_in_for", None) if isinstance(local, DomainTensor) \
+            else None
+        if stand_in is not None:
+            local = stand_in()
         if tuple(local.shape) != decomposition.local_shape():
             raise LayoutError(f"internal: a block of shape {tuple(local.shape)} does not fit "
                               f"{decomposition} (local shape {decomposition.local_shape()})")
