@@ -72,8 +72,8 @@ def add_parser(subparsers) -> None:
     sizes.add_argument("--warmup", type=int, default=200,
                        help="solver steps before a trajectory's first input (default 200)")
     model = demo.add_argument_group("training")
-    model.add_argument("--steps", type=positive(int), default=100,
-                       help="training steps (default 100)")
+    model.add_argument("--steps", type=positive(int), default=80,
+                       help="training steps (default 80)")
     model.add_argument("--batch", type=positive(int), default=4,
                        help="samples per step (default 4)")
     model.add_argument("--width", type=positive(int), default=8,
