@@ -17,6 +17,12 @@ that every rank does alike, so both ends of every message agree on its size.
 ghost values go back to their owners and are added there, and the ghost cells
 that ``fill`` writes are zeroed. Ghost cells outside a non-periodic domain are
 left alone by both, which makes the pair exactly adjoint on the whole array.
+
+(Over 500 lines on purpose: HaloExchange and its execution plan, ``_Plan``,
+which holds persistent requests, wire buffers and the packing, are one unit
+with private types between them; nothing else uses the plan, and splitting
+them would make those types module-public. The public class carries its
+numpydoc sections.)
 """
 from __future__ import annotations
 

@@ -21,6 +21,10 @@ sharded dim, a DomainTensor of global indices (``x[idx]``) is a routed exchange
 scatter_add/scatter_reduce and cdist); plain index tensors and masks are refused
 there (their results would have no layout to go to). Nothing here gathers a
 whole tensor.
+
+(Over 500 lines on purpose: one family of the op table whose rules share the
+slice arithmetic (``_slice_sizes``, ``_basic_plan``, ``_expand_index``) that
+getitem, setitem, narrow, select, split and cat all build on.)
 """
 from __future__ import annotations
 
