@@ -61,11 +61,6 @@ NO_VALUES = {"empty_like", "new_empty", "new_empty_strided", "empty", "empty_str
 # [forward|backward|error]". A listed case that passes fails the test: delete it.
 # Only ops with a rule are listed; an op without one must refuse (or match torch).
 EXPECTED_FAILURES: dict[str, list[tuple[str, str]]] = {
-    # domainpar/points: cdist's output batch dims are taken from x1 alone, so an x2
-    # whose batch dims broadcast x1's (x1 (1, 1, 2), x2 (2, 1, 2, 2)) gives each rank
-    # a block that does not fit the output layout: LayoutError, different per rank.
-    "cdist": [(r"shape \(1, 1, 2\) dim [01] .*args \('T\(2, 1, 2, 2\)'",
-               "x2's batch dims broadcast x1's")],
 }
 
 

@@ -247,5 +247,8 @@ def test_index_op_refusals_on_every_rank():
     raises_on_every_rank(dp.LayoutError, ["index out of range"], lambda: x.index_select(0, i))
     raises_on_every_rank(dp.UnsupportedOpError, ["torch.cdist", "knn"],
                          lambda: torch.cdist(x.full_tensor(), x))
+    c = torch.randn(2, 4, 2, dtype=F64)  # batch dim 2 would broadcast x's missing one
+    raises_on_every_rank(dp.UnsupportedOpError, ["torch.cdist", "broadcast"],
+                         lambda: torch.cdist(x, c))
     m = dp.scatter(torch.ones(9, dtype=torch.bool), grid, shard=shard)
     raises_on_every_rank(dp.UnsupportedOpError, ["Tensor.__getitem__"], lambda: x[m])

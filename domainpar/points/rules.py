@@ -286,7 +286,8 @@ def scatter_reduce(func, args, kwargs):
 def cdist(func, args, kwargs):
     """Local: ``x1`` (a DomainTensor sharded on any dim but the last) against a
     replicated plain ``x2``; the output is sharded like ``x1``. ``x2``'s gradient
-    is summed over the ranks (a broadcast's adjoint)."""
+    is summed over the ranks (a broadcast's adjoint). Refused: x2's batch dims
+    broadcasting x1's."""
     given = dict(zip(("x1", "x2", "p", "compute_mode"), args), **kwargs)
     x1, x2 = given.pop("x1"), given.pop("x2")
     if not isinstance(x1, DomainTensor) or isinstance(x2, DomainTensor):
@@ -296,6 +297,12 @@ def cdist(func, args, kwargs):
     dec = x1.decomposition
     if x1.ndim - 1 in dec.shard:
         raise UnsupportedOpError(f"{op_name(func)}: x1 is sharded on its last (coordinate) dim")
+    batch = tuple(torch.broadcast_shapes(x1.shape[:-2], x2.shape[:-2]))
+    if batch != tuple(x1.shape[:-2]):
+        # x2's batch dims would broadcast x1's: the output is not laid out like x1
+        raise UnsupportedOpError(f"{op_name(func)}: x2's batch dims {tuple(x2.shape[:-2])} "
+                                 f"broadcast x1's {tuple(x1.shape[:-2])}; expand x1 to "
+                                 f"{batch} first")
     shape = tuple(x1.shape[:-1]) + (x2.shape[-2],)
     out_dec = layout.derive(dec, shape, dec.shard, layout.sharded_sizes(dec))
     lead = x1.ndim - x2.ndim
