@@ -55,10 +55,10 @@ def _inputs(tokens: int, heads: int, head_dim: int, dtype, seed: int = 0):
             for _ in range(3)]
 
 
-def _step(q, k, v, causal: bool):
+def _step(q, k, v, *, causal: bool):
     """Forward and backward; the leaves' gradients are dropped afterwards."""
-    leaves = [t.detach().requires_grad_(True) for t in (q, k, v)]
-    F.scaled_dot_product_attention(*leaves, is_causal=causal).sum().backward()
+    q, k, v = (t.detach().requires_grad_(True) for t in (q, k, v))
+    F.scaled_dot_product_attention(q, k, v, is_causal=causal).sum().backward()
 
 
 def _explicit_step(q, k, v):
@@ -100,7 +100,7 @@ def _ring_step(blocks, causal: bool) -> dict:
     comm.Barrier()
     RING_WAIT.reset()
     t0, c0 = time.perf_counter(), time.thread_time()
-    _step(*blocks, causal)
+    _step(*blocks, causal=causal)
     mine = (time.perf_counter() - t0, time.thread_time() - c0, RING_WAIT.seconds)
     per_rank = comm.allgather(mine)
     return {"wall": max(r[0] for r in per_rank), "cpu": max(r[1] for r in per_rank),
@@ -174,14 +174,14 @@ def run(tokens=DEFAULT_TOKENS, heads: int = 1, head_dim: int = 32, causal: bool 
         blocks = _sharded(whole, grid)
         # This size's steps, bound now (the closures outlive nothing: each is
         # called within this iteration).
-        one_step = functools.partial(_step, *whole, causal)
-        ring_step = functools.partial(_step, *blocks, causal)
+        one_step = functools.partial(_step, *whole, causal=causal)
+        ring_step = functools.partial(_step, *blocks, causal=causal)
         for settings in configs.values():
             with applied(settings):  # warm-up: plans, buffers, first-call costs
                 _ring_step(blocks, causal)
                 time_on_rank0(comm, one_step)
-        ring = {name: [] for name in configs}
-        single = {name: [] for name in configs}
+        ring: dict[str, list[dict]] = {name: [] for name in configs}
+        single: dict[str, list[dict]] = {name: [] for name in configs}
         for _ in range(repeats):
             for name, settings in configs.items():
                 with applied(settings):

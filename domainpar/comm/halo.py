@@ -303,6 +303,12 @@ class HaloExchange:
         each a list of Transfers (peer and box of the padded block)."""
         return tuple(self._rounds)
 
+    @property
+    def wraps(self) -> tuple[bool, ...]:
+        """Local. Per dim of the array, whether its ghosts wrap around the domain
+        (the grid axis's periodicity unless ``periodic`` overrode it)."""
+        return self._wraps
+
     def tuning(self) -> list[dict[str, object]]:
         """Local. Per plan built so far (one per dtype, memory layout and device):
         the way its strided boxes settled on (``way``: 'datatype', 'pack' or None

@@ -83,7 +83,10 @@ def record() -> Iterator[list[Event]]:
     events: list[Event] = []
     saved = {name: getattr(collectives, name)
              for name in _REDUCE + _MOVE + _RING + _ROOTED}
-    saved_halo = HaloExchange.fill, HaloExchange.accumulate
+    # The halo methods patched, each with whether it is the adjoint; patched
+    # by name like the collectives (mypy refuses assigning to a method).
+    halo_methods = {"fill": False, "accumulate": True}
+    saved_halo = {name: getattr(HaloExchange, name) for name in halo_methods}
 
     def timed(event, call):
         t0 = time.perf_counter()
@@ -102,14 +105,15 @@ def record() -> Iterator[list[Event]]:
             return timed(_collective_event(name, args), lambda: fn(*args, **kw))
         return wrapped
 
-    HaloExchange.fill = halo_method(saved_halo[0], False)
-    HaloExchange.accumulate = halo_method(saved_halo[1], True)
+    for name, adjoint in halo_methods.items():
+        setattr(HaloExchange, name, halo_method(saved_halo[name], adjoint))
     for name, fn in saved.items():
         setattr(collectives, name, collective(name, fn))
     try:
         yield events
     finally:
-        HaloExchange.fill, HaloExchange.accumulate = saved_halo
+        for name, method in saved_halo.items():
+            setattr(HaloExchange, name, method)
         for name, fn in saved.items():
             setattr(collectives, name, fn)
 
@@ -119,10 +123,10 @@ def _halo_event(halo, a, adjoint: bool) -> Event:
     dec = halo.decomposition
     itemsize = buffers.as_array(a).dtype.itemsize
     me = dec.grid.comm.Get_rank()
-    received = [t for _, _, recvs in halo._rounds for t in recvs if t.peer != me]
+    received = [t for _, _, recvs in halo.rounds for t in recvs if t.peer != me]
     cells = sum(math.prod(s.stop - s.start for s in t.box) for t in received)
     return Event("halo", "accumulate" if adjoint else "fill", itemsize, tuple(dec.global_shape),
-                 dict(dec.shard), {}, halo.lo, halo.hi, tuple(halo._wraps), _sizes(dec), {},
+                 dict(dec.shard), {}, halo.lo, halo.hi, halo.wraps, _sizes(dec), {},
                  dec.grid.size, cells * itemsize, len(received))
 
 
@@ -132,14 +136,6 @@ def _sizes(dec) -> dict:
 
 def _collective_event(name: str, args) -> Event:
     from ..comm import buffers
-    arr = buffers.as_array(args[0]) if name not in _RING else None
-    if name in _REDUCE:
-        comm = args[1]
-        return Event("allreduce", name, arr.dtype.itemsize, tuple(arr.shape),
-                     ranks=comm.Get_size(), nbytes=int(arr.nbytes),
-                     messages=int(comm.Get_size() > 1 and arr.size > 0))
-    if name in _MOVE:
-        return _repartition_event(arr, args[1], args[2])
     if name in _RING:
         sends = args[0] if isinstance(args[0], (list, tuple)) else [args[0]]
         comm = args[2]
@@ -147,6 +143,14 @@ def _collective_event(name: str, args) -> Event:
         size = comm.Get_size()
         return Event("ring", name, ranks=size, nbytes=nbytes if size > 1 else 0,
                      messages=len(sends) if size > 1 else 0)
+    arr = buffers.as_array(args[0])
+    if name in _REDUCE:
+        comm = args[1]
+        return Event("allreduce", name, arr.dtype.itemsize, tuple(arr.shape),
+                     ranks=comm.Get_size(), nbytes=int(arr.nbytes),
+                     messages=int(comm.Get_size() > 1 and arr.size > 0))
+    if name in _MOVE:
+        return _repartition_event(arr, args[1], args[2])
     if name == "bcast":
         ranks = args[1].Get_size()
         return Event("rooted", name, arr.dtype.itemsize, tuple(arr.shape), ranks=ranks,
