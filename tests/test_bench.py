@@ -241,3 +241,27 @@ def test_clock_observing_sees_each_outermost_exchange_once():
     assert (a[0], a[1], a[8], a[9]) == (16, 2, 16, 2), a
     halo.settle(np.zeros(halo.padded_shape))
     assert all(t["settled"] for t in halo.tuning()) and len(halo.rounds) == 1
+
+
+@pytest.mark.mpi
+def test_time_on_rank0_steps_on_rank0_alone_and_fails_on_every_rank():
+    """Other ranks pass None (they have no whole problem); rank 0 without a step,
+    or with one that raises, fails on every rank instead of leaving them waiting."""
+    from mpi4py import MPI
+
+    from domainpar import DomainparError
+    from domainpar.bench.timing import time_on_rank0
+    from domainpar.testing import raises_on_every_rank
+    comm = MPI.COMM_WORLD
+    calls = []
+    sample = time_on_rank0(comm, (lambda: calls.append(1)) if comm.Get_rank() == 0 else None)
+    assert set(sample) == {"wall", "cpu"} and sample == comm.bcast(sample, root=0)
+    assert len(calls) == (comm.Get_rank() == 0)
+    raises_on_every_rank(DomainparError, "rank 0 failed: TypeError: time_on_rank0: rank 0 was given "
+                         "no step", lambda: time_on_rank0(comm, None), comm)
+
+    def fails():
+        raise KeyError("broken step")
+    raises_on_every_rank(DomainparError, "rank 0 failed: KeyError: 'broken step'",
+                         lambda: time_on_rank0(comm, fails if comm.Get_rank() == 0 else None),
+                         comm)

@@ -123,11 +123,11 @@ def _problem(factory, shape, grid, train: bool):
             model = dp.DomainParallel(model, grid)
         opt = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
 
-        def step():
+        def train_step():
             opt.zero_grad(set_to_none=True)
             (model(x) - x).pow(2).mean().backward()
             opt.step()
-        return step, model
+        return train_step, model
     local.requires_grad_(True)
 
     def step():
@@ -279,7 +279,8 @@ def _split_probe(conv, local_shape, repeats: int) -> dict:
                 fn()
         return time.perf_counter() - t0
 
-    samples = {k: [] for k in ("whole_forward", "split_forward", "whole_step", "split_step")}
+    samples: dict[str, list[float]] = {
+        k: [] for k in ("whole_forward", "split_forward", "whole_step", "split_step")}
     for _ in range(repeats):
         for backward, suffix in ((False, "forward"), (True, "step")):
             samples[f"whole_{suffix}"].append(timed(whole, backward))
@@ -313,7 +314,7 @@ def _time_cases(args, comm, grid) -> dict:
         _settle_exchanges()
         ranks_step()
         time_on_rank0(comm, single)
-        samples = {"ranks": [], "one_process": []}
+        samples: dict[str, list[dict]] = {"ranks": [], "one_process": []}
         bar = Progress(args.repeats, f"  {name} steps", comm=comm)
         for i in range(args.repeats):
             # alternate which goes first, so neither always follows the other
@@ -394,12 +395,14 @@ def _memory_worker(args) -> dict:
     baseline = _status_kib("VmRSS")
     exact = _reset_peak()
     before_max = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    if baseline is None:  # no /proc/self/status: the high-water mark so far stands in
+        baseline = before_max
     step, _ = _problem(factory, shape, grid, train)
     for _ in range(2 if train else 1):
         step()
-    if exact:
-        peak = _status_kib("VmHWM")
-    else:  # ru_maxrss (KiB on Linux) only rises: a lower bound when it was higher before
+    peak = _status_kib("VmHWM") if exact else None
+    exact = peak is not None
+    if peak is None:  # ru_maxrss (KiB on Linux) only rises: a lower bound when it was higher before
         peak = max(baseline, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
         peak = peak if peak > before_max else baseline
     mine = {"after_import_kib": after_import, "baseline_kib": baseline, "peak_kib": peak,
@@ -442,8 +445,10 @@ def run(nprocs: int = 2, cases=("conv3d", "conv2d"), repeats: int = 7, memory_re
     memory_jobs = memory_repeats * len(whats) * len(ALLOCATORS) * 2 * len(configs)
     load = [os.getloadavg()]
     timing: dict = {}
-    memory_runs = {name: {a: {w: {"1": [], str(nprocs): []} for w in whats} for a in ALLOCATORS}
-                   for name in configs}
+    # configuration -> allocator -> step -> rank count -> the jobs' results
+    memory_runs: dict[str, dict[str, dict[str, dict[str, list]]]] = {
+        name: {a: {w: {"1": [], str(nprocs): []} for w in whats} for a in ALLOCATORS}
+        for name in configs}
     log(f"domainpar bench conv: {', '.join(cases)} on {nprocs} ranks against one process, "
         f"{repeats} steps each, interleaved (one {nprocs}-rank job"
         f"{' per configuration' if compare else ''}); peak memory: {len(whats)} steps x "

@@ -108,10 +108,11 @@ def _case(comm, grid, one, kind: str, n: int, k: int, cluster: float, repeats: i
     partition_s = comm.allreduce(time.perf_counter() - t0, op=MPI.MAX)
     ref, feat_p = part.points, part(dp.scatter(feat, grid, shard={0: 0}))
     query = part.assign(dp.scatter(qs, grid, shard={0: 0})).points  # the same regions
-    whole = [dp.scatter(t, one, shard={0: 0}) if one is not None else None
-             for t in (pts, qs, feat)]  # the one-process inputs, on rank 0
+    # The one-process inputs, on rank 0; empty elsewhere, where the one-process
+    # steps below are never called (time_on_rank0 and on_rank0 call them on rank 0).
+    whole = [dp.scatter(t, one, shard={0: 0}) for t in (pts, qs, feat)] if one is not None else []
     radius = float((k / n * 3 / (4 * 3.14159)) ** (1 / 3))
-    centers, centers1 = query[::16], (whole[1][::16] if whole[1] is not None else None)
+    centers, centers1 = query[::16], (whole[1][::16] if whole else None)
     torch.manual_seed(0)
     model = SetAbstraction(8, 32, 2 * radius, k).double()
     steps = {

@@ -72,9 +72,11 @@ def idle_barrier(comm: MPI.Comm) -> None:
         time.sleep(0.001)
 
 
-def time_on_rank0(comm: MPI.Comm, step: Callable[[], object]) -> dict:
+def time_on_rank0(comm: MPI.Comm, step: Callable[[], object] | None) -> dict:
     """Collective. One step of the whole problem in one process, on rank 0:
-    ``{"wall": s, "cpu": s}`` on every rank.
+    ``{"wall": s, "cpu": s}`` on every rank. Only rank 0 calls ``step``; the
+    others may pass None. If rank 0 has no step or its step raises, every rank
+    raises (``on_rank0``).
 
     Fair on a machine with few cores: the other ranks wait in a barrier that
     sleeps, so rank 0 runs as a lone process would, with the other cores free.
@@ -84,13 +86,13 @@ def time_on_rank0(comm: MPI.Comm, step: Callable[[], object]) -> dict:
     background load of a shared machine, which separate launches, minutes
     apart, would not.
     """
-    sample = None
-    if comm.Get_rank() == 0:
+    def timed() -> dict:
+        if step is None:
+            raise TypeError("time_on_rank0: rank 0 was given no step (None)")
         t0, c0 = time.perf_counter(), time.thread_time()
         step()
-        sample = {"wall": time.perf_counter() - t0, "cpu": time.thread_time() - c0}
-    idle_barrier(comm)
-    return comm.bcast(sample, root=0)
+        return {"wall": time.perf_counter() - t0, "cpu": time.thread_time() - c0}
+    return on_rank0(comm, timed)
 
 
 def on_rank0(comm: MPI.Comm, fn: Callable[[], object]):
