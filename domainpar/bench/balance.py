@@ -33,6 +33,7 @@ import copy
 import os
 import platform
 import time
+from typing import Any
 
 import numpy as np
 import torch
@@ -98,13 +99,14 @@ def _imbalance(values) -> float:
 def _compare(comm, steps: dict, cells: dict, repeats: int, label: str) -> dict:
     """Collective. Time the layouts' steps interleaved; per-rank compute,
     throughputs and the ideal step from the balanced steps."""
-    logs = {name: [] for name in steps}
+    logs: dict[str, list[tuple[float, float, float]]] = {name: [] for name in steps}
     bar = Progress(repeats, f"bench balance {label}", comm=comm)
     samples = interleaved(comm, {k: _timed(go, logs[k]) for k, go in steps.items()},
                           repeats, warmup=1, progress=bar)
     bar.close()
-    out = {"median_step_s": {k: median(v) for k, v in samples.items()}, "samples_s": samples}
-    per_rank = {}
+    out: dict[str, Any] = {"median_step_s": {k: median(v) for k, v in samples.items()},
+                           "samples_s": samples}
+    per_rank: dict[str, dict[str, Any]] = {}
     for name, log in logs.items():
         compute, blocked, cpu = np.median(np.array(log[1:]), axis=0)  # warm-up dropped
         rows = comm.allgather((cells[name], float(compute), float(blocked), float(cpu)))
@@ -191,7 +193,7 @@ def points_case(comm, grid, *, points, cluster, channels, layers, passes, slow_r
 
     from ..testing import shard_like
     torch.manual_seed(0)
-    mlp = [torch.nn.Linear(channels, channels * 4)]
+    mlp: list[torch.nn.Module] = [torch.nn.Linear(channels, channels * 4)]
     for _ in range(layers - 1):
         mlp += [torch.nn.Tanh(), torch.nn.Linear(channels * 4, channels * 4)]
     model = torch.nn.Sequential(*mlp, torch.nn.Tanh(), torch.nn.Linear(channels * 4, 1))

@@ -14,6 +14,7 @@ import math
 import os
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from .settings import parts
 
@@ -43,8 +44,9 @@ def write_png(report: dict, path: Path, log: Callable = print) -> Path | None:
 
 
 # -- shared pieces ------------------------------------------------------------------------------
-A_STYLE = {"linestyle": "-", "marker": "o"}
-B_STYLE = {"linestyle": "--", "marker": "s", "markerfacecolor": "none"}
+# Any: matplotlib's keyword arguments differ in type; these are spread into them.
+A_STYLE: dict[str, Any] = {"linestyle": "-", "marker": "o"}
+B_STYLE: dict[str, Any] = {"linestyle": "--", "marker": "s", "markerfacecolor": "none"}
 
 
 def _compared(report: dict) -> bool:
@@ -63,7 +65,7 @@ def _settings_text(values: dict) -> str:
 def _caption(report: dict) -> str:
     ranks = report.get("rank_counts") or report.get("ranks")
     ranks = (f"{ranks} ranks" if isinstance(ranks, int)
-             else f"{', '.join(map(str, ranks))} ranks")
+             else f"{', '.join(map(str, ranks or ['?']))} ranks")
     cpus = report.get("cpus") or os.cpu_count()
     text = (f"domainpar bench {report['benchmark']} on {report.get('host', '?')} "
             f"({cpus} CPUs), {ranks}")
@@ -322,7 +324,7 @@ def _scaling(report: dict, plt):
             ax.set_xlabel("ranks n")
             ax.set_xticks(report["rank_counts"])
             ax.grid(alpha=0.3)
-            if max(report["rank_counts"]) > cpus:
+            if cpus and max(report["rank_counts"]) > cpus:  # unknown count: no shading
                 ax.axvspan(cpus + 0.5, max(report["rank_counts"]) + 0.5, color="red",
                            alpha=0.07, label=f"> {cpus} cores: oversubscribed")
             ax.legend(fontsize=8)
