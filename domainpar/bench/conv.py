@@ -504,11 +504,8 @@ def _worker_main(argv=None) -> int:
     parser.add_argument("--result", required=True)
     settings.add_argument(parser)
     args = parser.parse_args(argv)
-    torch.set_num_threads(1)
-    with settings.applied(args.compare):  # configuration B's job (also in its environment)
-        result = _time_worker(args) if args.worker == "time" else _memory_worker(args)
-    jobs.write_result(result, args.result)
-    return 0
+    return jobs.run_worker(
+        args, lambda: _time_worker(args) if args.worker == "time" else _memory_worker(args))
 
 
 if __name__ == "__main__":

@@ -5,8 +5,9 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
+from typing import Any
 
 from . import settings as settings_module
 
@@ -35,3 +36,15 @@ def write_result(result, path: str) -> None:
     from mpi4py import MPI
     if MPI.COMM_WORLD.Get_rank() == 0:
         Path(path).write_text(json.dumps(result))
+
+
+def run_worker(args: Any, measure: Callable[[], Any]) -> int:
+    """Collective (as ``measure`` is). A worker's body: one torch thread per rank,
+    ``measure()`` under configuration B's in-process settings when
+    ``args.compare`` names them, its result written to ``args.result``; 0."""
+    import torch
+    torch.set_num_threads(1)
+    with settings_module.applied(args.compare):  # also in the job's environment
+        result = measure()
+    write_result(result, args.result)
+    return 0

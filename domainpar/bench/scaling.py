@@ -208,16 +208,11 @@ def _worker_main(argv=None) -> int:
     parser.add_argument("--result", required=True)
     settings.add_argument(parser)
     args = parser.parse_args(argv)
-    import torch
-
     from ..comm import init
     comm = init()
-    torch.set_num_threads(1)
-    with settings.applied(args.compare):  # configuration B's job (also in its environment)
-        result = measure(comm, args.strong_shape, args.weak_block, args.repeats, args.width,
-                         args.levels, args.modes, label=args.label)
-    jobs.write_result(result, args.result)
-    return 0
+    return jobs.run_worker(args, lambda: measure(
+        comm, args.strong_shape, args.weak_block, args.repeats, args.width, args.levels,
+        args.modes, label=args.label))
 
 
 if __name__ == "__main__":

@@ -410,15 +410,9 @@ def _worker_main(argv=None) -> int:
     parser.add_argument("--result", required=True)
     settings.add_argument(parser)
     args = parser.parse_args(argv)
-    import torch
-
     from ..comm import init
     comm = init()
-    torch.set_num_threads(1)
-    with settings.applied(args.compare):  # configuration B's job (also in its environment)
-        result = _measure_all(comm, args)
-    jobs.write_result(result, args.result)
-    return 0
+    return jobs.run_worker(args, lambda: _measure_all(comm, args))
 
 
 if __name__ == "__main__":
