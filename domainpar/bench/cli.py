@@ -65,9 +65,14 @@ def _bench_scaling(args) -> int:
     if under_launcher():
         sys.exit("domainpar bench scaling launches its own jobs (one per rank count); "
                  "run it without mpiexec")
-    scaling.run(nprocs=args.nprocs, ranks=args.ranks, strong_shape=args.strong_shape,
-                weak_block=args.weak_block, repeats=args.repeats, width=args.width,
-                levels=args.levels, modes=args.modes, out=args.out, compare=args.compare)
+    try:
+        shapes = scaling.shapes(args.model, args.side, args.strong_shape, args.weak_block)
+    except ValueError as e:
+        sys.exit(f"domainpar bench scaling: {e}")
+    scaling.run(nprocs=args.nprocs, ranks=args.ranks, strong_shape=shapes[0],
+                weak_block=shapes[1], repeats=args.repeats, width=args.width,
+                levels=args.levels, modes=args.modes, out=args.out, compare=args.compare,
+                model=args.model, inference=args.inference, rounds=args.rounds)
     return 0
 
 
@@ -270,37 +275,61 @@ def add_parser(subparsers) -> None:
     io.set_defaults(run=_bench_io)
 
     scaling = bench_sub.add_parser(
-        "scaling", help="strong and weak scaling of a UNet training step over 1..N ranks",
-        description="Times one training step of a 3-D UNet (domainpar.testing.models.UNet3d: "
-                    "forward, MSE loss, backward, SGD step, DomainParallel), float32, sharded "
-                    "along dim 2, one torch thread per rank, on 1, 2, 4, ... N ranks, each "
-                    "rank count in its own job: strong scaling (a fixed global field; "
-                    "efficiency T1 / (n Tn)) and weak scaling (a fixed block per rank, the "
-                    "global depth growing with the ranks; efficiency T1 / Tn). More ranks "
-                    "than cores oversubscribe them: the output says how many cores there are. "
-                    "Run it without mpiexec: it launches its own jobs. Prints a table; writes "
-                    "JSON and a PNG of step time and efficiency against ranks. "
-                    "examples/scaling.py times the same step at one rank count.")
+        "scaling", help="strong and weak scaling of a training step or inference forward "
+                        "(UNet3d, ViT2d, FNO2d) over 1..N ranks",
+        description="Times one training step (forward, MSE loss, backward, SGD step) or, "
+                    "with --inference, one forward (eval mode, torch.no_grad) of a model of "
+                    "domainpar.testing.models in DomainParallel: --model unet3d (width 4, 4 "
+                    "levels, field 1x2xSxSxS), vit2d or fno2d (field 1x1xSxS; the models "
+                    "of `bench step`), float32, sharded along dim 2, one torch thread per "
+                    "rank, on 1, 2, 4, ... N ranks, each rank count in its own job: strong "
+                    "scaling (a fixed global field; speedup T1 / Tn, efficiency "
+                    "T1 / (n Tn)) and weak scaling (a fixed block per rank, the global "
+                    "extent along dim 2 growing with the ranks; efficiency T1 / Tn). "
+                    "--rounds R runs the jobs R times, alternating rank counts, and pools "
+                    "the samples (medians of interleaved runs). More ranks than cores "
+                    "oversubscribe them: the output says how many cores there are. Run it "
+                    "without mpiexec: it launches its own jobs. Prints a table; writes JSON "
+                    "(model, mode, machine: cores and load average at start and end) and a "
+                    "PNG of step time and efficiency against ranks. examples/scaling.py "
+                    "times the same step at one rank count. Example, issue 24's targets: "
+                    "--model unet3d --side 128 --ranks 1 2 --rounds 3.")
     scaling.add_argument("-n", "--nprocs", type=positive(int), default=os.cpu_count() or 1,
                          help="the most ranks: 1, 2, 4, ... up to N, and N (default: the "
                               f"core count, {os.cpu_count()} here)")
     scaling.add_argument("--ranks", type=positive(int), nargs="+", default=None,
                          help="the rank counts to run instead (e.g. 1 2 3 4)")
-    scaling.add_argument("--strong-shape", type=positive(int), nargs=5,
-                         default=[1, 2, 64, 64, 64], metavar=("N", "C", "D", "H", "W"),
-                         help="strong scaling's global field (default 1 2 64 64 64)")
-    scaling.add_argument("--weak-block", type=positive(int), nargs=5,
-                         default=[1, 2, 32, 64, 64], metavar=("N", "C", "D", "H", "W"),
-                         help="weak scaling's block per rank, D growing with the ranks "
-                              "(default 1 2 32 64 64)")
+    scaling.add_argument("--model", choices=["unet3d", "vit2d", "fno2d"], default="unet3d",
+                         help="the model (default unet3d)")
+    scaling.add_argument("--inference", action="store_true",
+                         help="time one forward in eval mode under torch.no_grad (no loss, "
+                              "no backward) instead of a training step")
+    scaling.add_argument("--side", type=positive(int), default=None,
+                         help="the field's side S: strong scaling's global field is "
+                              "1x2xSxSxS (unet3d) or 1x1xSxS (vit2d, fno2d), weak scaling's "
+                              "block per rank is that field with S/2 along dim 2 (default: "
+                              "64 for unet3d, 256 for vit2d and fno2d)")
+    scaling.add_argument("--strong-shape", type=positive(int), nargs="+", default=None,
+                         metavar="EXTENT",
+                         help="strong scaling's global field instead: N C D H W (unet3d) or "
+                              "N C H W (vit2d, fno2d)")
+    scaling.add_argument("--weak-block", type=positive(int), nargs="+", default=None,
+                         metavar="EXTENT",
+                         help="weak scaling's block per rank instead, dim 2 growing with the "
+                              "ranks: N C D H W (unet3d) or N C H W (vit2d, fno2d)")
     scaling.add_argument("--modes", nargs="+", choices=["strong", "weak"],
                          default=["strong", "weak"], help="which scalings (default both)")
     scaling.add_argument("--repeats", type=positive(int), default=5,
-                         help="timed steps per rank count, after one warm-up (default 5)")
+                         help="timed steps per rank count and round, after one warm-up "
+                              "(default 5)")
+    scaling.add_argument("--rounds", type=positive(int), default=1,
+                         help="run every rank count's job this many times, alternating rank "
+                              "counts, and pool the samples (default 1)")
     scaling.add_argument("--width", type=positive(int), default=4,
-                         help="the UNet's channels at the first level (default 4)")
+                         help="unet3d: the channels at the first level (default 4)")
     scaling.add_argument("--levels", type=positive(int), default=4,
-                         help="the UNet's levels (default 4)")
+                         help="unet3d: the levels (default 4; a block's side along dim 2 "
+                              "must hold 2**(levels-1) cells)")
     _add_out(scaling, "scaling")
     settings.add_argument(scaling)
     scaling.set_defaults(run=_bench_scaling, launches_jobs=True)

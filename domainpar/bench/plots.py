@@ -316,7 +316,8 @@ def _scaling(report: dict, plt):
         shape = "x".join(map(str, what["global_shape" if mode == "strong" else "block_shape"]))
         top.set_title(f"{mode} scaling: " + (f"global {shape}" if mode == "strong"
                                              else f"{shape} per rank"), fontsize=10)
-        top.set_ylabel("training step (s)")
+        top.set_ylabel(("inference forward" if report.get("mode") == "inference"
+                        else "training step") + " (s)")
         bottom.set_ylabel("efficiency " + ("T1 / (n Tn)" if mode == "strong" else "T1 / Tn"))
         top.set_ylim(bottom=0)
         bottom.set_ylim(0, max(1.15, bottom.get_ylim()[1]))
@@ -328,8 +329,9 @@ def _scaling(report: dict, plt):
                 ax.axvspan(cpus + 0.5, max(report["rank_counts"]) + 0.5, color="red",
                            alpha=0.07, label=f"> {cpus} cores: oversubscribed")
             ax.legend(fontsize=8)
-    fig.suptitle(f"UNet3d training step (forward, loss, backward, optimizer), DomainParallel, "
-                 f"sharded along dim {report['sharded_dim']}; {cpus} CPU cores")
+    fig.suptitle(f"{report.get('model_config', 'UNet3d')}, {report.get('mode', 'training')}: "
+                 f"{report.get('step', 'forward, loss, backward, optimizer')}\n"
+                 f"DomainParallel, sharded along dim {report['sharded_dim']}; {cpus} CPU cores")
     return fig
 
 

@@ -1,22 +1,34 @@
-"""`domainpar bench scaling`: strong and weak scaling of a 3-D UNet training step.
+"""`domainpar bench scaling`: strong and weak scaling of a model's training
+step or inference forward.
 
-The step: ``UNet3d`` (domainpar.testing.models; 4 levels, width 4) in
-``DomainParallel``, forward, mean-squared-error loss against a target,
-backward and an SGD step, float32, on a field sharded along dim 2 (depth)
-over a 1-D grid of all ranks, one torch thread per rank.
+The models (``bench.step.model_factory``, the ones ``bench step`` times):
+``unet3d`` (domainpar.testing.models.UNet3d, 4 levels, width 4, a field of
+2 channels, N x C x D x H x W), ``vit2d`` and ``fno2d`` (one channel,
+N x C x H x W), in ``DomainParallel``, float32, on a field sharded along dim 2
+(D or H) over a 1-D grid of all ranks, one torch thread per rank. The step:
 
-- strong scaling: a fixed global field (default 1x2x64x64x64) on 1 .. N ranks;
-  efficiency ``T1 / (n * Tn)``;
-- weak scaling: a fixed block per rank (default 1x2x32x64x64; the global depth
+- training (default): forward, mean-squared-error loss against a target,
+  backward and an SGD step;
+- inference (``--inference``): one forward in eval mode under
+  ``torch.no_grad``: no loss, no backward (the latency case for strong scaling).
+
+- strong scaling: a fixed global field (default side 64 for unet3d, 256 for
+  the 2-D models; ``--side`` or ``--strong-shape``) on 1 .. N ranks; speedup
+  ``T1 / Tn``, efficiency ``T1 / (n * Tn)``;
+- weak scaling: a fixed block per rank (default half the strong field along
+  dim 2, so that 2 ranks hold the strong field; the global extent along dim 2
   grows with the ranks); efficiency ``T1 / Tn``.
 
 Each rank count runs in its own job (``python -m domainpar.bench.scaling
 --worker``), which times both modes with ``measure`` (the function
 examples/scaling.py calls too); one sample is the slowest rank's step,
-between barriers. T1 is the 1-rank job's step (the same domainpar code on a
-1-rank grid); without a 1-rank job, the smallest rank count stands in for it.
-More ranks than cores share cores: those points measure oversubscription, not
-scaling, and the output says so.
+between barriers. ``rounds`` > 1 runs the jobs that many times, alternating
+rank counts (1, 2, 1, 2, ...), and pools their samples: the medians are of
+interleaved runs, so a slow spell of a shared machine hits every rank count.
+T1 is the 1-rank job's step (the same domainpar code on a 1-rank grid);
+without a 1-rank job, the smallest rank count stands in for it. More ranks
+than cores share cores: those points measure oversubscription, not scaling,
+and the output says so.
 """
 from __future__ import annotations
 
@@ -28,7 +40,12 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from .step import MODELS
+
 SHARDED_DIM = 2
+DEFAULT_SIDES = {"unet3d": 64, "vit2d": 256, "fno2d": 256}
+CHANNELS = {"unet3d": 2, "vit2d": 1, "fno2d": 1}
+SPATIAL_DIMS = {"unet3d": 3, "vit2d": 2, "fno2d": 2}
 DEFAULT_STRONG_SHAPE = (1, 2, 64, 64, 64)
 DEFAULT_WEAK_BLOCK = (1, 2, 32, 64, 64)
 MODES = ("strong", "weak")
@@ -42,24 +59,43 @@ def weak_shape(block, ranks: int) -> tuple:
     return tuple(shape)
 
 
-def unet_step(grid, shape, width: int = 4, levels: int = 4):
-    """Collective. One training step of a UNet3d on a field of global ``shape``
-    sharded along dim 2 over ``grid`` (a 1-D ProcessGrid): returns
-    (step function, this rank's block shape). Every rank builds the same initial
-    model; each generates only its own block of the input and target."""
-    from ..testing.models import UNet3d
-    from .step import training_step
-    return training_step(grid, lambda: UNet3d(in_channels=shape[1], out_channels=shape[1],
-                                              width=width, levels=levels), shape)
+def shapes(model: str, side: int | None = None, strong=None, weak=None) -> tuple:
+    """Local. ``(strong field, weak block)`` of ``model``: the given ones, else a
+    field of side ``side`` (default ``DEFAULT_SIDES``) and a block of half of it
+    along dim 2. Raises ValueError for a shape of the wrong length."""
+    s = side or DEFAULT_SIDES[model]
+    field = (1, CHANNELS[model]) + (s,) * SPATIAL_DIMS[model]
+    block = list(field)
+    block[SHARDED_DIM] = max(1, s // 2)
+    out = (tuple(strong or field), tuple(weak or block))
+    for what, shape in zip(("--strong-shape", "--weak-block"), out):
+        if len(shape) != len(field):
+            names = "N C D H W" if len(field) == 5 else "N C H W"
+            raise ValueError(f"{what} {' '.join(map(str, shape))}: {model} takes "
+                             f"{len(field)} extents ({names})")
+    return out
+
+
+def model_step(grid, shape, model: str = "unet3d", width: int = 4, levels: int = 4,
+               inference: bool = False):
+    """Collective. One training step (or, with ``inference``, one no_grad forward)
+    of ``model`` on a field of global ``shape`` sharded along dim 2 over ``grid``
+    (a 1-D ProcessGrid): returns (step function, this rank's block shape). Every
+    rank builds the same initial model; each generates only its own block of
+    the input (and target)."""
+    from .step import inference_step, model_factory, training_step
+    build = inference_step if inference else training_step
+    return build(grid, model_factory(model, shape, width, levels), shape)
 
 
 def time_step(comm, shape, repeats: int, width: int = 4, levels: int = 4, warmup: int = 1,
-              progress=None) -> dict:
+              progress=None, model: str = "unet3d", inference: bool = False) -> dict:
     """Collective. The median step (the slowest rank's, between barriers) on
     ``shape`` sharded over all ranks of ``comm``, and its samples."""
     from ..comm import ProcessGrid
     from .timing import interleaved, median
-    step, local = unet_step(ProcessGrid((comm.Get_size(),), comm=comm), shape, width, levels)
+    step, local = model_step(ProcessGrid((comm.Get_size(),), comm=comm), shape, model, width,
+                             levels, inference)
     samples = interleaved(comm, {"step": step}, repeats, warmup=warmup,
                           progress=progress)["step"]
     return {"ranks": comm.Get_size(), "global_shape": list(shape), "local_shape": list(local),
@@ -68,7 +104,7 @@ def time_step(comm, shape, repeats: int, width: int = 4, levels: int = 4, warmup
 
 def measure(comm, strong_shape=DEFAULT_STRONG_SHAPE, weak_block=DEFAULT_WEAK_BLOCK,
             repeats: int = 5, width: int = 4, levels: int = 4, modes=MODES,
-            label: str = "") -> dict:
+            label: str = "", model: str = "unet3d", inference: bool = False) -> dict:
     """Collective. ``time_step`` in each mode at this communicator's rank count:
     strong, the fixed global ``strong_shape``; weak, ``weak_block`` per rank."""
     from ..progress import Progress
@@ -78,7 +114,8 @@ def measure(comm, strong_shape=DEFAULT_STRONG_SHAPE, weak_block=DEFAULT_WEAK_BLO
                  else weak_shape(weak_block, comm.Get_size()))
         bar = Progress(repeats, f"{label}{mode} scaling, {comm.Get_size()} rank(s), steps",
                        comm=comm)
-        out[mode] = time_step(comm, shape, repeats, width, levels, progress=bar)
+        out[mode] = time_step(comm, shape, repeats, width, levels, progress=bar, model=model,
+                              inference=inference)
         bar.close()
     return out
 
@@ -114,50 +151,84 @@ def _figures(jobs_by_count: dict, modes) -> dict:
     return out
 
 
-def run(nprocs: int | None = None, ranks=None, strong_shape=DEFAULT_STRONG_SHAPE,
-        weak_block=DEFAULT_WEAK_BLOCK, repeats: int = 5, width: int = 4, levels: int = 4,
-        modes=MODES, out: str = "bench-out/scaling.json", log=print, compare=None) -> dict:
-    """Launch one job per rank count (and configuration, alternating A and B),
-    print a table, write JSON and PNG to ``out``."""
+def _pool(jobs: list, modes) -> dict:
+    """One rank count's figures from its jobs (one per round): every sample, the
+    median of them all, and each job's own median."""
+    from .timing import median
+    out = {}
+    for mode in modes:
+        samples = [t for job in jobs for t in job[mode]["samples_s"]]
+        out[mode] = {**jobs[0][mode], "samples_s": samples, "median_step_s": median(samples),
+                     "job_medians_s": [job[mode]["median_step_s"] for job in jobs]}
+    return out
+
+
+def _header(model, width, levels, inference, modes, counts, repeats, rounds, over) -> str:
+    from .step import describe_model
+    cpus = os.cpu_count() or 1
+    what = "inference forward (eval, no_grad)" if inference else "training step"
+    return (f"domainpar bench scaling: {describe_model(model, width, levels)} {what}, "
+            f"{', '.join(modes)} scaling on {', '.join(map(str, counts))} ranks, one job each"
+            f"{f' per round, {rounds} rounds alternating' if rounds > 1 else ''}, median of "
+            f"{repeats * rounds} steps; this machine has {cpus} cores"
+            + (f": {', '.join(map(str, over))} ranks oversubscribe them" if over else ""))
+
+
+def run(nprocs: int | None = None, ranks=None, strong_shape=None, weak_block=None,
+        repeats: int = 5, width: int = 4, levels: int = 4, modes=MODES,
+        out: str = "bench-out/scaling.json", log=print, compare=None, model: str = "unet3d",
+        side: int | None = None, inference: bool = False, rounds: int = 1) -> dict:
+    """Launch one job per rank count (and configuration, alternating A and B;
+    ``rounds`` times, alternating rank counts), print a table, write JSON and
+    PNG to ``out``. Shapes: ``shapes(model, side, strong_shape, weak_block)``."""
     from ..launch import mpiexec_env
     from ..progress import Progress
     from .jobs import launch
     from .output import write_json
     from .settings import configurations, describe
+    from .step import describe_model
+    strong_shape, weak_block = shapes(model, side, strong_shape, weak_block)
     cpus = os.cpu_count() or 1
     counts = sorted(set(ranks or default_rank_counts(nprocs or cpus)))
     configs = {"A": None, **({"B": compare} if compare else {})}
     over = [n for n in counts if n > cpus]
-    log(f"domainpar bench scaling: UNet3d (width {width}, {levels} levels) training step, "
-        f"{', '.join(modes)} scaling on {', '.join(map(str, counts))} ranks, one job each"
-        f"{' and configuration' if compare else ''}, median of {repeats} steps; "
-        f"this machine has {cpus} cores"
-        + (f": {', '.join(map(str, over))} ranks oversubscribe them" if over else ""),
+    log(_header(model, width, levels, inference, modes, counts, repeats, rounds, over),
         flush=True)
     if compare:
         log(f"compared, jobs alternating: {describe(compare, mpiexec_env())}", flush=True)
-    worker = ["--worker", "--strong-shape", *map(str, strong_shape), "--weak-block",
-              *map(str, weak_block), "--repeats", str(repeats), "--width", str(width),
-              "--levels", str(levels), "--modes", *modes]
-    results: dict[str, dict[str, Any]] = {name: {} for name in configs}
+    worker = ["--worker", "--model", model, "--strong-shape", *map(str, strong_shape),
+              "--weak-block", *map(str, weak_block), "--repeats", str(repeats),
+              "--width", str(width), "--levels", str(levels), "--modes", *modes,
+              *(["--inference"] if inference else [])]
+    jobs: dict[str, dict[int, list]] = {name: {n: [] for n in counts} for name in configs}
     load = [os.getloadavg()]  # a shared machine's other load slows collectives most
-    bar = Progress(len(counts) * len(configs), "bench scaling jobs")
+    bar = Progress(rounds * len(counts) * len(configs), "bench scaling jobs")
     with tempfile.TemporaryDirectory() as tmp:
-        for n in counts:
-            for name, values in configs.items():
-                results[name][n] = launch("domainpar.bench.scaling", n,
-                                          worker + ["--label", f"  {name} "],
-                                          Path(tmp) / "result.json", values)
-                bar.update(job=f"{n} ranks ({name})")
+        for _ in range(rounds):
+            for n in counts:
+                for name, values in configs.items():
+                    jobs[name][n].append(launch("domainpar.bench.scaling", n,
+                                                worker + ["--label", f"  {name} "],
+                                                Path(tmp) / "result.json", values))
+                    bar.update(job=f"{n} ranks ({name})")
     bar.close()
     load.append(os.getloadavg())
-    report = {"benchmark": "scaling", "rank_counts": counts, "ranks": max(counts),
-              "host": platform.node(), "cpus": cpus, "oversubscribed_rank_counts": over,
-              "loadavg_start_end": load,
-              "model": f"UNet3d(width={width}, levels={levels})", "sharded_dim": SHARDED_DIM,
-              "torch_threads_per_rank": 1, "repeats": repeats,
-              "configurations": configurations(compare, mpiexec_env()),
-              **_figures(results["A"], modes)}
+    results = {name: {n: _pool(js, modes) for n, js in by_n.items()}
+               for name, by_n in jobs.items()}
+    report: dict[str, Any] = {
+        "benchmark": "scaling", "model": model,
+        "model_config": describe_model(model, width, levels),
+        "mode": "inference" if inference else "training",
+        "step": ("one forward in eval mode under torch.no_grad" if inference
+                 else "forward, MSE loss, backward, SGD step"),
+        "rank_counts": counts, "ranks": max(counts), "rounds": rounds,
+        "machine": {"host": platform.node(), "cores": cpus,
+                    "loadavg_start": list(load[0]), "loadavg_end": list(load[1])},
+        "host": platform.node(), "cpus": cpus, "oversubscribed_rank_counts": over,
+        "loadavg_start_end": load, "sharded_dim": SHARDED_DIM,
+        "torch_threads_per_rank": 1, "repeats": repeats,
+        "configurations": configurations(compare, mpiexec_env()),
+        **_figures(results["A"], modes)}
     for mode, shape in (("strong", strong_shape), ("weak", weak_block)):
         if mode in report:
             report[mode]["global_shape" if mode == "strong" else "block_shape"] = list(shape)
@@ -188,9 +259,12 @@ def _print(report: dict, modes, log) -> None:
     if "ratio_B_over_A" in report:
         for mode in modes:
             log(ratio_line(f"{mode} step (per rank count)", report["ratio_B_over_A"][mode]))
-    log(f"efficiency: strong T1 / (n Tn), weak T1 / Tn (T1: {min(report['rank_counts'])} "
-        f"rank(s)); {report['cpus']} cores on {report['host']}, load average "
-        f"{report['loadavg_start_end'][0][0]:.1f} at the start.")
+    machine = report["machine"]
+    log(f"{report['model_config']}, {report['mode']} ({report['step']}). Speedup: strong "
+        f"T1 / Tn, weak n T1 / Tn; efficiency: strong T1 / (n Tn), weak T1 / Tn (T1: "
+        f"{min(report['rank_counts'])} rank(s)); {machine['cores']} cores on "
+        f"{machine['host']}, load average {machine['loadavg_start'][0]:.1f} at the start, "
+        f"{machine['loadavg_end'][0]:.1f} at the end.")
 
 
 # -- worker entry point ---------------------------------------------------------------------------
@@ -198,8 +272,10 @@ def _worker_main(argv=None) -> int:
     from . import jobs, settings
     parser = argparse.ArgumentParser(description="internal: a job of `domainpar bench scaling`")
     parser.add_argument("--worker", action="store_true", required=True)
-    parser.add_argument("--strong-shape", type=int, nargs=5, required=True)
-    parser.add_argument("--weak-block", type=int, nargs=5, required=True)
+    parser.add_argument("--model", choices=MODELS, required=True)
+    parser.add_argument("--inference", action="store_true")
+    parser.add_argument("--strong-shape", type=int, nargs="+", required=True)
+    parser.add_argument("--weak-block", type=int, nargs="+", required=True)
     parser.add_argument("--repeats", type=int, required=True)
     parser.add_argument("--width", type=int, required=True)
     parser.add_argument("--levels", type=int, required=True)
@@ -212,7 +288,7 @@ def _worker_main(argv=None) -> int:
     comm = init()
     return jobs.run_worker(args, lambda: measure(
         comm, args.strong_shape, args.weak_block, args.repeats, args.width, args.levels,
-        args.modes, label=args.label))
+        args.modes, label=args.label, model=args.model, inference=args.inference))
 
 
 if __name__ == "__main__":

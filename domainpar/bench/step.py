@@ -71,18 +71,51 @@ def _kind(name: str) -> str:
 
 
 # -- the models ---------------------------------------------------------------------------------
+def model_factory(name: str, shape, width: int = 4, levels: int = 4):
+    """Local. A factory of the benchmark model ``name`` (``MODELS``) for a field of
+    global ``shape`` (N, C, spatial...), as many channels out as in: the UNet3d
+    with ``width`` channels at its first of ``levels`` levels; the ViT2d (patch 4,
+    dim 32, 4 heads, 2 blocks) and the FNO2d (width 8, 4 layers, up to 8 modes)
+    at their ``bench step`` sizes."""
+    from ..testing import models
+    c = shape[1]
+    if name == "unet3d":
+        return lambda: models.UNet3d(c, c, width=width, levels=levels)
+    if name == "vit2d":
+        return lambda: models.ViT2d(tuple(shape[2:]), c, c, patch=4, dim=32, heads=4, depth=2)
+    if name == "fno2d":
+        return lambda: models.FNO2d(c, c, width=8, modes=min(8, min(shape[2:]) // 4), layers=4)
+    raise ValueError(f"unknown model {name!r}; use one of {', '.join(MODELS)}")
+
+
+def describe_model(name: str, width: int = 4, levels: int = 4) -> str:
+    """Local. ``model_factory``'s model ``name`` in words, for reports."""
+    return {"unet3d": f"UNet3d(width={width}, levels={levels})",
+            "vit2d": "ViT2d(patch=4, dim=32, heads=4, depth=2)",
+            "fno2d": "FNO2d(width=8, modes=min(8, side/4), layers=4)"}[name]
+
+
 def model_spec(name: str, unet_side: int, field_side: int, levels: int = 4) -> tuple:
     """Local. ``(factory, global shape)`` of a benchmark model: the UNet3d on a
     ``unet_side``^3 field of 2 channels, the 2-D models on ``field_side``^2, one channel."""
-    from ..testing import models
-    if name == "unet3d":
-        return ((lambda: models.UNet3d(2, 2, width=4, levels=levels)),
-                (1, 2, unet_side, unet_side, unet_side))
-    if name == "vit2d":
-        return ((lambda: models.ViT2d((field_side, field_side), patch=4, dim=32, heads=4,
-                                      depth=2)), (1, 1, field_side, field_side))
-    return (lambda: models.FNO2d(width=8, modes=min(8, field_side // 4), layers=4),
-            (1, 1, field_side, field_side))
+    shape = ((1, 2, unet_side, unet_side, unet_side) if name == "unet3d"
+             else (1, 1, field_side, field_side))
+    return model_factory(name, shape, levels=levels), shape
+
+
+def _sharded_model(grid, factory, shape):
+    """Collective. ``factory()`` in DomainParallel over ``grid`` (the same initial
+    parameters on every rank), the Decomposition of global ``shape`` sharded along
+    dim 2, a random input block, and the generator that made it (seeded per rank)."""
+    import torch
+
+    import domainpar as dp
+    torch.manual_seed(0)  # the same initial parameters on every rank
+    model = dp.DomainParallel(factory(), grid)
+    dec = dp.Decomposition(shape, grid, {SHARDED_DIM: 0})
+    gen = torch.Generator().manual_seed(1 + grid.rank)
+    x = dp.DomainTensor(torch.randn(dec.local_shape(), generator=gen), dec)
+    return model, dec, x, gen
 
 
 def training_step(grid, factory, shape):
@@ -95,11 +128,7 @@ def training_step(grid, factory, shape):
     import torch.nn.functional as F
 
     import domainpar as dp
-    torch.manual_seed(0)  # the same initial parameters on every rank
-    model = dp.DomainParallel(factory(), grid)
-    dec = dp.Decomposition(shape, grid, {SHARDED_DIM: 0})
-    gen = torch.Generator().manual_seed(1 + grid.rank)
-    x = dp.DomainTensor(torch.randn(dec.local_shape(), generator=gen), dec)
+    model, dec, x, gen = _sharded_model(grid, factory, shape)
     target = dp.DomainTensor(torch.randn(dec.local_shape(), generator=gen), dec)
     opt = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
 
@@ -107,6 +136,21 @@ def training_step(grid, factory, shape):
         opt.zero_grad(set_to_none=True)
         F.mse_loss(model(x), target).backward()
         opt.step()
+    return step, tuple(dec.local_shape())
+
+
+def inference_step(grid, factory, shape):
+    """Collective. One inference forward of ``factory()`` (eval mode, under
+    ``torch.no_grad``: no loss, no backward) in DomainParallel on a random field
+    of global ``shape`` sharded along dim 2 over ``grid``: returns (step
+    function, this rank's block shape), as ``training_step``."""
+    import torch
+    model, dec, x, _ = _sharded_model(grid, factory, shape)
+    model.eval()
+
+    def step():
+        with torch.no_grad():
+            model(x)
     return step, tuple(dec.local_shape())
 
 
