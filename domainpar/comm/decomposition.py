@@ -109,6 +109,10 @@ class Decomposition:
             self.shard = {d: merged.axis_from_parent[a] for d, a in self.shard.items()}
             self.grid = merged
         self._offsets = {d: tuple(itertools.accumulate(s, initial=0)) for d, s in self._sizes.items()}
+        # This rank's block shape and slices and the hash, computed on first use
+        # (a Decomposition does not change once made).
+        self._here: tuple[tuple[int, ...], tuple[slice, ...]] | None = None
+        self._hash: int | None = None
 
     def _normalise_shard(self, shard: Mapping[int, int | Sequence[int]]) -> dict[int, int]:
         """``{dim: grid axis}``; a dim given a tuple of axes is recorded in
@@ -276,9 +280,20 @@ class Decomposition:
         tuple of int
             The block's shape.
         """
-        coords = self._coords(rank)
+        if rank is None:
+            return self._mine()[0]
+        return self._shape_of(self._coords(rank))
+
+    def _shape_of(self, coords: Sequence[int]) -> tuple[int, ...]:
         return tuple(self._sizes[d][coords[self.shard[d]]] if d in self.shard else n
                      for d, n in enumerate(self.global_shape))
+
+    def _mine(self) -> tuple[tuple[int, ...], tuple[slice, ...]]:
+        """This rank's block shape and slices, computed once."""
+        if self._here is None:
+            shape, start = self._shape_of(self.grid.coords), self.offsets()
+            self._here = shape, tuple(slice(o, o + n) for o, n in zip(start, shape))
+        return self._here
 
     def offsets(self, rank: int | None = None) -> tuple[int, ...]:
         """Local. Where ``rank``'s block starts.
@@ -310,6 +325,8 @@ class Decomposition:
         tuple of slice
             One slice per dim.
         """
+        if rank is None:
+            return self._mine()[1]
         return tuple(slice(o, o + n) for o, n in zip(self.offsets(rank), self.local_shape(rank)))
 
     def owner_coord(self, dim: int, index: int) -> int:
@@ -350,13 +367,17 @@ class Decomposition:
         return self.grid.comm.Get_cart_rank(coords)
 
     def __eq__(self, other: object) -> bool:
+        if self is other:
+            return True
         return (isinstance(other, Decomposition) and self.grid is other.grid
                 and self.global_shape == other.global_shape and self.shard == other.shard
                 and self._sizes == other._sizes)
 
     def __hash__(self) -> int:
-        return hash((id(self.grid), self.global_shape, tuple(self.shard.items()),
-                     tuple(self._sizes.items())))
+        if self._hash is None:
+            self._hash = hash((id(self.grid), self.global_shape, tuple(self.shard.items()),
+                               tuple(self._sizes.items())))
+        return self._hash
 
     def __repr__(self) -> str:
         sizes = {d: list(s) for d, s in self._sizes.items()}

@@ -28,7 +28,14 @@ from ..tensor.params import enter_domain
 
 
 def output_layout(func: Any, operands: Sequence[Any]) -> tuple[Decomposition, tuple[int, ...]]:
-    """The output decomposition and global shape of a broadcasting op."""
+    """The output decomposition and global shape of a broadcasting op: planned
+    once per tuple of operand layouts (plain tensors: their shapes)."""
+    key = ("broadcast",) + tuple(a._dec if isinstance(a, DomainTensor) else a.shape
+                                 for a in operands if isinstance(a, torch.Tensor))
+    return layout.planned(key, lambda: _broadcast_layout(func, operands))
+
+
+def _broadcast_layout(func: Any, operands: Sequence[Any]) -> tuple[Decomposition, tuple[int, ...]]:
     dts = [a for a in operands if isinstance(a, DomainTensor)]
     same_grid(func, dts, merged_ok=True)  # ``onto`` repartitions across merged grids
     shapes = [tuple(a.shape) for a in operands if isinstance(a, torch.Tensor)]
@@ -53,18 +60,9 @@ def aligned_dims(a: torch.Tensor, out_dec: Decomposition) -> dict[int, int]:
 def onto(a: Any, out_dec: Decomposition) -> Any:
     """Operand ``a`` as this rank's local tensor for an output laid out by ``out_dec``."""
     if isinstance(a, DomainTensor):
-        dims = aligned_dims(a, out_dec)
-        # On out_dec's grid when it is merged from a's (or a's from it); otherwise
-        # a's own grid, which has out_dec's axes (same_grid checked the two).
-        merged = a._dec.grid is not out_dec.grid and a._dec.grid.root is out_dec.grid.root
-        target = layout.derive(out_dec if merged else a._dec, a._dec.global_shape,
-                               {ad: out_dec.shard[od] for ad, od in dims.items()},
-                               {ad: out_dec.block_sizes(od) for ad, od in dims.items()})
-        local = ag.repartition(a._local, a._dec, target)
-        # Along output axes where ``a`` is broadcast (a size-1 or missing dim) every
-        # rank of the axis uses the same block of ``a``: its gradient is the sum of
-        # their contributions, as for any replicated value entering per-block work.
-        broadcast_axes = set(out_dec.shard.values()) - set(target.shard.values())
+        target, broadcast_axes = layout.planned(("onto", a._dec, out_dec),
+                                                lambda: _onto_plan(a, out_dec))
+        local = a._local if target is None else ag.repartition(a._local, a._dec, target)
         if broadcast_axes and local.requires_grad and torch.is_grad_enabled():
             local = ag.broadcast(local, out_dec.grid.sub(broadcast_axes))
         return local
@@ -73,17 +71,42 @@ def onto(a: Any, out_dec: Decomposition) -> Any:
     return a
 
 
+def _onto_plan(a: DomainTensor, out_dec: Decomposition
+               ) -> tuple[Decomposition | None, frozenset[int]]:
+    """The layout ``a`` takes for an output laid out by ``out_dec`` (None: its
+    own), and the output's grid axes along which ``a`` is broadcast."""
+    dims = aligned_dims(a, out_dec)
+    # On out_dec's grid when it is merged from a's (or a's from it); otherwise
+    # a's own grid, which has out_dec's axes (same_grid checked the two).
+    merged = a._dec.grid is not out_dec.grid and a._dec.grid.root is out_dec.grid.root
+    target = layout.derive(out_dec if merged else a._dec, a._dec.global_shape,
+                           {ad: out_dec.shard[od] for ad, od in dims.items()},
+                           {ad: out_dec.block_sizes(od) for ad, od in dims.items()})
+    # Along output axes where ``a`` is broadcast (a size-1 or missing dim) every
+    # rank of the axis uses the same block of ``a``: its gradient is the sum of
+    # their contributions, as for any replicated value entering per-block work.
+    broadcast_axes = frozenset(out_dec.shard.values()) - frozenset(target.shard.values())
+    return (None if target == a._dec else target), broadcast_axes
+
+
 def wrap(func: Any, out: Any, out_dec: Decomposition) -> Any:
     """Wrap every tensor in ``out`` (a tensor or nested tuple) as a DomainTensor."""
+    if layout.ENABLED and type(out) is torch.Tensor:  # the common case, without a tree walk
+        return _wrap_one(func, out, out_dec)
+
     def one(o):
         if isinstance(o, torch.Tensor) and not isinstance(o, DomainTensor):
-            if tuple(o.shape) != out_dec.local_shape():
-                raise UnsupportedOpError(
-                    f"{op_name(func)}: a result block of shape {tuple(o.shape)} does not match "
-                    f"the output layout {out_dec}; this op is not elementwise")
-            return DomainTensor(o, out_dec)
+            return _wrap_one(func, o, out_dec)
         return o
     return pytree.tree_map(one, out)
+
+
+def _wrap_one(func: Any, o: torch.Tensor, out_dec: Decomposition) -> DomainTensor:
+    if tuple(o.shape) != out_dec.local_shape():
+        raise UnsupportedOpError(
+            f"{op_name(func)}: a result block of shape {tuple(o.shape)} does not match "
+            f"the output layout {out_dec}; this op is not elementwise")
+    return DomainTensor(o, out_dec)
 
 
 def first_domain_tensor(args, kwargs=None) -> DomainTensor:

@@ -12,7 +12,8 @@ from torch.utils import _pytree as pytree
 
 from ..tensor import layout
 from ..tensor.aliasing import writes_operand
-from ..tensor.dispatch import UnsupportedOpError, op_name, register, register_attribute
+from ..tensor.dispatch import (UnsupportedOpError, flat, op_name, register,
+                                register_attribute)
 from ..tensor.domain_tensor import DomainTensor
 from .common import onto, output_layout, wrap
 
@@ -63,6 +64,16 @@ def _operands(args, kwargs):
     return [a for a in pytree.tree_leaves((args, kwargs)) if isinstance(a, torch.Tensor)]
 
 
+def _local_operands(args, kwargs, out_dec, is_flat: bool):
+    """``args`` and ``kwargs`` with every tensor as this rank's operand (``onto``);
+    ``is_flat``: ``flat(args, kwargs)``."""
+    if is_flat:
+        return (tuple(onto(a, out_dec) for a in args),
+                {k: onto(v, out_dec) for k, v in kwargs.items()})
+    return (pytree.tree_map(lambda a: onto(a, out_dec), args),
+            pytree.tree_map(lambda a: onto(a, out_dec), kwargs))
+
+
 @register(*_forms(NAMES))
 def elementwise(func, args, kwargs):
     """Local (a repartition when operands are laid out differently). Broadcasting elementwise
@@ -71,9 +82,11 @@ def elementwise(func, args, kwargs):
     if "out" in kwargs and kwargs["out"] is not None:
         raise UnsupportedOpError(f"{op_name(func)}: out= is not supported on DomainTensors; "
                                  f"assign the result instead")
-    out_dec, out_shape = output_layout(func, _operands(args, kwargs))
-    local_args = pytree.tree_map(lambda a: onto(a, out_dec), args)
-    local_kwargs = pytree.tree_map(lambda a: onto(a, out_dec), kwargs)
+    is_flat = flat(args, kwargs)
+    operands = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)] \
+        if is_flat else _operands(args, kwargs)
+    out_dec, out_shape = output_layout(func, operands)
+    local_args, local_kwargs = _local_operands(args, kwargs, out_dec, is_flat)
     if writes_operand(func, args, kwargs):
         target = args[0]
         if not isinstance(target, DomainTensor):

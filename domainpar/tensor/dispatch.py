@@ -141,11 +141,28 @@ def op_name(func: Any) -> str:
     return f"torch.{name}"
 
 
-def domain_tensors(args: Iterable[Any],
+# Argument types that pytree takes as leaves: a call whose arguments are all these
+# or tensors is flat, and its tensors are found without a tree walk.
+_LEAF_TYPES = frozenset((int, float, bool, complex, str, type(None), torch.dtype, torch.device,
+                         torch.layout, torch.memory_format))
+
+
+def flat(args: Sequence[Any], kwargs: Mapping[str, Any]) -> bool:
+    """Local. Whether the plan cache is on and every argument is a tensor or a
+    plain value (no list, tuple or dict to walk): then ``(*args,
+    *kwargs.values())`` are the call's pytree leaves, in pytree's order."""
+    return layout.ENABLED and all(
+        isinstance(a, torch.Tensor) or type(a) in _LEAF_TYPES
+        for a in (*args, *kwargs.values()))
+
+
+def domain_tensors(args: Sequence[Any],
                    kwargs: Mapping[str, Any] | None = None) -> list[DomainTensor]:
     """The DomainTensors among (nested) ``args`` and ``kwargs``, in order."""
     from .domain_tensor import DomainTensor
-    leaves = pytree.tree_leaves((args, kwargs or {}))
+    kwargs = kwargs or {}
+    leaves = (*args, *kwargs.values()) if flat(args, kwargs) \
+        else pytree.tree_leaves((args, kwargs))
     return [a for a in leaves if isinstance(a, DomainTensor)]
 
 
@@ -197,7 +214,7 @@ def handle(func: Func, types: object, args: Args = (), kwargs: Kwargs | None = N
     if name in ("__get__", "__set__", "__delete__"):
         return _attribute(func, name, args, kwargs)
     rule = _RULES.get(func)
-    refusal = aliasing.write_refusal(func, args, kwargs)
+    refusal = aliasing.write_refusal(func, args, kwargs) if _may_refuse(args, kwargs) else None
     if refusal is not None:
         raise UnsupportedOpError(f"{op_name(func)}: {refusal}")
     with torch._C.DisableTorchFunctionSubclass():
@@ -206,6 +223,17 @@ def handle(func: Func, types: object, args: Args = (), kwargs: Kwargs | None = N
         if _GATHER_ALLOWED.get():
             return _gather_and_run(func, args, kwargs)
         raise unsupported(func, args, kwargs)
+
+
+def _may_refuse(args: Args, kwargs: Kwargs) -> bool:
+    """Whether ``aliasing.write_refusal`` can refuse the call: it writes only into
+    ``out=`` and its first operand, and refuses only a tensor whose alias group
+    holds a copy. Always True with the plan cache off (the check then runs)."""
+    if not layout.ENABLED or kwargs.get("out") is not None:
+        return True
+    first = args[0] if args else kwargs.get("input", kwargs.get("self"))
+    group = getattr(first, "_alias_group", None) if isinstance(first, torch.Tensor) else None
+    return group is not None and group.copied is not None
 
 
 @contextlib.contextmanager

@@ -3,7 +3,9 @@ every rank from layouts every rank knows, so no message is needed (and none of
 the construction-time agreement checks either)."""
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import os
+from collections.abc import Callable, Hashable, Mapping, Sequence
+from typing import Any, TypeVar
 
 from mpi4py import MPI
 
@@ -12,13 +14,80 @@ from ..comm.errors import LayoutError
 from ..comm.grid import ProcessGrid
 
 
+_T = TypeVar("_T")
+
+# -- the plan cache ----------------------------------------------------------------------------
+# What a rule derives from layouts alone (an output Decomposition, the target
+# layout of an operand), memoised under a key that holds everything the result
+# depends on: Decompositions (equal when grid, shape, shard map and sizes are),
+# shapes and plain values. Every rank derives the same plans in the same order
+# (metadata is the same on every rank), so the caches of all ranks agree; a miss
+# is the uncached path. DOMAINPAR_PLAN_CACHE=0 turns it and the fast paths that
+# rely on it off (``set_plan_cache``, for ``bench ... --compare``).
+ENABLED = os.environ.get("DOMAINPAR_PLAN_CACHE", "1") != "0"
+_PLANS: dict[Hashable, Any] = {}
+_MAX_PLANS = 8192  # a bound for programs whose shapes never repeat: emptied when reached
+_COUNTS = {"hits": 0, "misses": 0}
+_MISSING = object()
+
+
+def planned(key: Hashable, make: Callable[[], _T]) -> _T:
+    """Local. ``make()``, memoised under ``key`` while the plan cache is on. An
+    error in ``make`` is raised, not cached; an unhashable key is not cached."""
+    if not ENABLED:
+        return make()
+    try:
+        plan = _PLANS.get(key, _MISSING)
+    except TypeError:  # an unhashable part (a list given as sizes ...): no caching
+        return make()
+    if plan is _MISSING:
+        plan = make()
+        if len(_PLANS) >= _MAX_PLANS:
+            _PLANS.clear()
+        _PLANS[key] = plan
+        _COUNTS["misses"] += 1
+    else:
+        _COUNTS["hits"] += 1
+    return plan  # type: ignore[no-any-return]
+
+
+def set_plan_cache(on: bool) -> None:
+    """Local. Turn the plan cache and the dispatch fast paths on or off (the
+    DOMAINPAR_PLAN_CACHE setting); the cache starts empty either way."""
+    global ENABLED
+    ENABLED = bool(on)
+    clear_plan_cache()
+
+
+def clear_plan_cache() -> None:
+    """Local. Empty the plan cache and zero its counts."""
+    _PLANS.clear()
+    _COUNTS.update(hits=0, misses=0)
+
+
+def plan_cache_stats() -> dict[str, int]:
+    """Local. The plan cache's ``hits``, ``misses`` (plans made) since it was last
+    emptied, its ``size`` (plans held) and ``enabled`` (1 or 0)."""
+    return {**_COUNTS, "size": len(_PLANS), "enabled": int(ENABLED)}
+
+
 def derive(like: Decomposition, global_shape: Sequence[int], shard: Mapping[int, int],
            sizes: Mapping[int, Sequence[int]] | None = None,
            grid: ProcessGrid | None = None) -> Decomposition:
     """A decomposition on ``like``'s grid (or ``grid``, one of the same processes:
-    a merged grid or its parent); balanced blocks where ``sizes`` is silent."""
-    return Decomposition(tuple(global_shape), like.grid if grid is None else grid, dict(shard),
-                         dict(sizes or {}), check=False)
+    a merged grid or its parent); balanced blocks where ``sizes`` is silent.
+    Decompositions are never changed once made, so equal requests share one."""
+    grid = like.grid if grid is None else grid
+    if not ENABLED:
+        return _derived(global_shape, grid, shard, sizes)
+    key = ("derive", grid, tuple(global_shape), tuple(shard.items()),
+           tuple((d, tuple(s)) for d, s in sizes.items()) if sizes else ())
+    return planned(key, lambda: _derived(global_shape, grid, shard, sizes))
+
+
+def _derived(global_shape: Sequence[int], grid: ProcessGrid, shard: Mapping[int, int],
+             sizes: Mapping[int, Sequence[int]] | None) -> Decomposition:
+    return Decomposition(tuple(global_shape), grid, dict(shard), dict(sizes or {}), check=False)
 
 
 def cut(dec: Decomposition, dim: int) -> bool:
@@ -84,7 +153,9 @@ def unsharded(dec: Decomposition, dims: Sequence[int]) -> Decomposition:
 
 def comm_of(dec: Decomposition, dims: Sequence[int]) -> MPI.Cartcomm:
     """The communicator over the grid axes that cut ``dims`` (size one when none do)."""
-    return dec.grid.sub(dec.shard[d] for d in dims if d in dec.shard)
+    dims = tuple(dims)
+    return planned(("comm_of", dec, dims),
+                   lambda: dec.grid.sub(dec.shard[d] for d in dims if d in dec.shard))
 
 
 def sharded_dims_text(dec: Decomposition) -> str:
