@@ -36,7 +36,8 @@ def test_bench_balance_reports_both_layouts(tmp_path):
         total = 24 if case == "grid" else 600
         assert sum(blocks["even"]) == sum(blocks["balanced"]) == total
         assert result["ideal_step_s"] > 0 and result["balanced_over_ideal"] > 0
-        assert len(result["balancer_history"]) >= 1
+        assert len(result["balancer"]["history"]) >= 1
+        assert result["ideal_plus_communication_s"] >= result["ideal_step_s"]
         assert f"{case:<7} even" in proc.stdout
     assert len(report["loadavg_start_end"]) == 2
     png = out.with_suffix(".png")

@@ -93,6 +93,10 @@ class Balancer:
         self._cost = np.full(self._comm.Get_size(), np.nan)  # smoothed seconds per cell
         self._recent = np.full((self._comm.Get_size(), _WINDOW), np.nan)  # raw, for the noise
         self._samples = np.zeros(self._comm.Get_size(), dtype=np.int64)
+        nan = np.full(self._comm.Get_size(), np.nan)
+        self._before = (nan, nan)  # (cells, seconds) per rank on the layout left last
+        self._fixed = np.zeros(self._comm.Get_size())  # fitted fixed seconds per step
+        self._per_cell = nan  # fitted seconds per cell (NaN: 1 / throughput)
         self._steps, self._skip = 0, warmup
         self.history: list[dict] = []
         self.start()
@@ -241,11 +245,12 @@ class Balancer:
 
     def _smooth(self, costs: np.ndarray) -> None:
         """Local. The moving average of the seconds per cell, rank by rank, and
-        the last ``_WINDOW`` raw measurements (for ``margin``)."""
+        the last ``_WINDOW`` raw measurements (for ``margin``); the first
+        measurement on a new layout replaces the old layout's average."""
         fresh = ~np.isnan(costs)
-        old = self._cost
+        old = np.where(self._samples > 0, self._cost, np.nan)
         mixed = np.where(np.isnan(old), costs, (1 - self.smoothing) * old + self.smoothing * costs)
-        self._cost = np.where(fresh, mixed, old)
+        self._cost = np.where(fresh, mixed, self._cost)
         for r in np.flatnonzero(fresh):
             self._recent[r, self._samples[r] % _WINDOW] = costs[r]
         self._samples += fresh
@@ -266,27 +271,53 @@ class Balancer:
     def _consider(self) -> bool:
         """Collective when it moves (the new Decomposition's agreement check).
         Move to the proposed sizes when they save more than ``margin()``; not
-        before every measured rank has two measurements."""
+        before every measured rank has two measurements on this layout."""
         throughput = self.throughput_estimate()
         seen = self._samples[self._samples > 0]
-        if throughput is None or seen.min() < 2:  # no spread from one sample
+        if throughput is None or seen.size == 0 or seen.min() < 2:  # no spread from one
             return False
         ref = self.decomposition
         current = {d: ref.block_sizes(d) for d in ref.shard}
-        proposal = plan.balanced_plan(ref.global_shape, ref.shard, self.grid.dims, self._coords,
-                                      throughput, self.dims, self.min_size, self.unit)
-        saving = float(plan.gain(current, proposal, ref.shard, self._coords, throughput))
+        cells = self._cells(current)
+        fixed, per_cell = plan.affine_fit(self._before, (cells, cells / throughput))
+        self._fixed, self._per_cell = np.nan_to_num(fixed), per_cell
+        per_cell = self._fit()[1]
+        rest = math.prod(n for d, n in enumerate(ref.global_shape) if d not in ref.shard)
+        proposal = plan.affine_plan(ref.global_shape, ref.shard, self.grid.dims, self._coords,
+                                    current, self._fixed, per_cell, self.dims, self.min_size,
+                                    self.unit)
+        before, after = (float(plan.affine_times(s, ref.shard, self._coords, rest,
+                                                 self._fixed, per_cell).max())
+                         for s in (current, {**current, **proposal}))
+        saving = max(0.0, 1.0 - after / before) if before > 0 else 0.0
         needed = self.margin()
         moved = bool(saving > needed) and any(proposal[d] != current[d] for d in proposal)
         self.history.append({"step": self._steps, "throughput": throughput.tolist(),
+                             "fixed_s": self._fixed.tolist(),
                              "sizes": {d: list(s) for d, s in current.items()},
                              "proposed": {d: list(s) for d, s in proposal.items()},
                              "predicted_saving": saving, "needed": needed, "moved": moved})
         if moved:
             self.decomposition = Decomposition(ref.global_shape, self.grid, ref.shard,
                                                {**current, **proposal})
-            self._skip = self.warmup
+            self._moved(cells, cells / throughput)
         return moved
+
+    def _cells(self, sizes: Mapping[int, Sequence[int]]) -> np.ndarray:
+        """Local. Each rank's cells with ``sizes`` of the sharded dims."""
+        ref = self.decomposition
+        rest = math.prod(n for d, n in enumerate(ref.global_shape) if d not in ref.shard)
+        return plan.affine_times(sizes, ref.shard, self._coords, rest,
+                                 np.zeros(len(self._coords)), np.ones(len(self._coords)))
+
+    def _moved(self, cells: np.ndarray, seconds: np.ndarray) -> None:
+        """Local. After a move: keep the layout left (``cells``, ``seconds`` per
+        rank) for the fit of each rank's fixed cost; measure afresh (warm-up, a
+        new noise window: times on another layout are not noise)."""
+        self._before = (cells, seconds)
+        self._recent[:] = np.nan
+        self._samples[:] = 0
+        self._skip = self.warmup
 
     # -- what it knows ---------------------------------------------------------------------
     def throughput_estimate(self) -> np.ndarray | None:
@@ -300,14 +331,15 @@ class Balancer:
 
     def predicted_step(self, sizes: Mapping[int, Sequence[int]] | None = None) -> float | None:
         """Local. The slowest rank's predicted compute seconds with ``sizes``
-        (default: the current ones) at the estimated throughputs."""
-        throughput = self.throughput_estimate()
-        if throughput is None:
+        (default: the current ones) at the fitted costs (``fixed_seconds`` plus
+        the estimated seconds per cell)."""
+        if self.throughput_estimate() is None:
             return None
         ref = self.decomposition
         every = {**{d: ref.block_sizes(d) for d in ref.shard}, **(sizes or {})}
         rest = math.prod(n for d, n in enumerate(ref.global_shape) if d not in ref.shard)
-        return rest * plan.predicted_time(every, ref.shard, self._coords, throughput)
+        return float(plan.affine_times(every, ref.shard, self._coords, rest,
+                                       *self._fit()).max())
 
     def ideal_step(self) -> float | None:
         """Local. Total work over total throughput: the step time of a perfect
@@ -322,9 +354,29 @@ class Balancer:
 
     def shares(self) -> np.ndarray | None:
         """Local. Each rank's fraction of the total throughput (sums to 1): the
-        per-rank capacities of a partition that is not a block layout (points)."""
+        per-rank capacities of a partition that is not a block layout (points).
+        A rank's throughput is at its current cells, fixed cost included
+        (``fixed_seconds``): right after a move, the fractions just chosen."""
         throughput = self.throughput_estimate()
-        return None if throughput is None else throughput / throughput.sum()
+        if throughput is None:
+            return None
+        cells = np.maximum(self._cells({d: self.decomposition.block_sizes(d)
+                                        for d in self.decomposition.shard}), 1.0)
+        fixed, per_cell = self._fit()
+        rate = cells / (fixed + per_cell * cells)
+        return rate / rate.sum()
+
+    def _fit(self) -> tuple[np.ndarray, np.ndarray]:
+        """Local. Each rank's (fixed seconds, seconds per cell); per cell from the
+        throughput where the fit has none. Call only when there is a throughput."""
+        throughput = self.throughput_estimate()
+        assert throughput is not None
+        return self._fixed, np.where(np.isnan(self._per_cell), 1 / throughput, self._per_cell)
+
+    def fixed_seconds(self) -> np.ndarray:
+        """Local (alike on every rank). Each rank's fitted step time that does not
+        grow with its block (seconds; zeros until two layouts were measured)."""
+        return self._fixed.copy()
 
 
 def _check_margin(noise_margin) -> str | None:

@@ -95,3 +95,60 @@ def gain(current: Mapping[int, Sequence[int]], proposed: Mapping[int, Sequence[i
     before = predicted_time(current, shard, coords, throughput)
     after = predicted_time({**current, **proposed}, shard, coords, throughput)
     return max(0.0, 1.0 - after / before) if before > 0 else 0.0
+
+
+def affine_fit(before: tuple[Floats, Floats], now: tuple[Floats, Floats],
+               spread: float = 0.1) -> tuple[np.ndarray, np.ndarray]:
+    """Local. Per rank, a step's time as ``fixed + per_cell * cells`` from two
+    layouts' measurements (``(cells, seconds)`` per rank, before and now): the
+    line through the two points where the cells differ by more than ``spread``
+    of the larger and the line is a cost (per_cell > 0, fixed >= 0); otherwise
+    no fixed part (``seconds / cells`` now). NaN seconds (not measured) give
+    NaN."""
+    x0, t0 = (np.asarray(v, dtype=float) for v in before)
+    x1, t1 = (np.asarray(v, dtype=float) for v in now)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        slope = (t1 - t0) / (x1 - x0)
+        fixed = t1 - slope * x1
+        apart = np.abs(x1 - x0) > spread * np.maximum(x0, x1)
+        line = apart & (slope > 0) & (fixed >= 0) & np.isfinite(t0)
+        per_cell = np.where(line, slope, t1 / x1)
+    return np.where(line, fixed, np.where(np.isnan(t1), np.nan, 0.0)), per_cell
+
+
+def affine_times(sizes: Mapping[int, Sequence[int]], shard: Mapping[int, int],
+                 coords: Sequence[Sequence[int]], rest: int, fixed: Floats,
+                 per_cell: Floats) -> np.ndarray:
+    """Local. Each rank's predicted step seconds, ``fixed + per_cell * cells``,
+    with ``sizes`` ({dim: per-coordinate sizes}); ``rest`` cells per element of
+    the sharded dims (the unsharded dims' product)."""
+    cells = [rest * math.prod(sizes[d][c[a]] for d, a in shard.items()) for c in coords]
+    return np.asarray(fixed) + np.asarray(per_cell) * np.asarray(cells, dtype=float)
+
+
+def affine_plan(global_shape: Sequence[int], shard: Mapping[int, int],
+                grid_dims: Sequence[int], coords: Sequence[Sequence[int]],
+                current: Mapping[int, Sequence[int]], fixed: Floats, per_cell: Floats,
+                dims: Sequence[int], min_size: int = 1,
+                unit: Mapping[int, int] | None = None, rounds: int = 8
+                ) -> dict[int, tuple[int, ...]]:
+    """Local. New sizes for ``dims`` that equalise the predicted step times
+    ``fixed + per_cell * cells``: ``balanced_plan`` at the throughputs each
+    rank would have with the sizes of the round before (from ``current``), for
+    ``rounds`` rounds; the proposal with the least slowest time wins (the
+    earliest on a tie). With no fixed part the first round is the answer."""
+    rest = math.prod(n for d, n in enumerate(global_shape) if d not in shard)
+    every = {d: tuple(s) for d, s in current.items()}
+    best: dict[int, tuple[int, ...]] = {}
+    best_time = math.inf
+    for _ in range(rounds):
+        cells = np.maximum(affine_times(every, shard, coords, rest, np.zeros(len(coords)),
+                                        np.ones(len(coords))), 1.0)
+        throughput = cells / (np.asarray(fixed) + np.asarray(per_cell) * cells)
+        proposal = balanced_plan(global_shape, shard, grid_dims, coords, throughput, dims,
+                                 min_size, unit)
+        every = {**every, **proposal}
+        worst = float(affine_times(every, shard, coords, rest, fixed, per_cell).max())
+        if worst < best_time:
+            best, best_time = proposal, worst
+    return best

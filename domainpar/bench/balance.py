@@ -30,6 +30,7 @@ imbalance (max / mean over ranks), in wall and in CPU time.
 from __future__ import annotations
 
 import copy
+import functools
 import os
 import platform
 import time
@@ -47,32 +48,45 @@ from .timing import interleaved, median
 TARGET = 1.15  # balanced step / ideal step
 
 
-def _slowdown(model: torch.nn.Module, passes: int, slowed: bool):
-    """Local. The per-cell delay: on the slowed rank only, ``passes`` extra
-    forwards of the plain ``model`` on this rank's block (a plain tensor: no
-    gradients, no communication). A forward is about a third of a training
-    step, so 3 passes about double the slowed rank's compute."""
-    model = copy.deepcopy(model)  # DomainParallel's hooks stay on the trained one
+def _slowdown(model: torch.nn.Module, passes: int, slowed: bool) -> None:
+    """Local. The per-cell delay, spread over the step the way a slower device's
+    time is: on the slowed rank, each leaf module's forward runs ``passes``
+    more times on this rank's block of its input, and the backward through its
+    output ``2 * passes`` more (a backward costs about two forwards), on a plain
+    copy of the module (no gradients, no communication). Every stretch of
+    compute between two communications, forward and backward, then takes about
+    ``1 + passes`` times as long: 1 pass about doubles the slowed rank's compute."""
+    if not slowed or not passes:
+        return
+    plain = copy.deepcopy(model)  # DomainParallel's hooks stay on the trained one
+    for module, twin in zip(model.modules(), plain.modules()):
+        if next(module.children(), None) is None:
+            module.register_forward_hook(functools.partial(_extra_work, twin, passes))
 
-    def delay(x):
-        if not slowed:
-            return
-        block = x.to_local()
+
+def _extra_work(twin: torch.nn.Module, passes: int, module, inputs, output) -> None:
+    """Local. A forward hook: ``passes`` plain forwards of ``twin`` on the block of
+    ``inputs[0]`` now, and ``2 * passes`` when backward reaches ``output``."""
+    first = inputs[0]
+    block = (first.to_local() if hasattr(first, "to_local") else first).detach()
+
+    def run(times: int) -> None:
         with torch.no_grad():
-            for _ in range(passes):
-                model(block)
-    return delay
+            for _ in range(times):
+                twin(block)
+    run(passes)
+    if isinstance(output, torch.Tensor) and output.requires_grad:
+        output.register_hook(lambda grad: run(2 * passes))
 
 
-def _trainer(model, grid, delay):
-    """Local. One training step on (x, y): delay, forward, MSE, backward, SGD."""
+def _trainer(model, grid):
+    """Local. One training step on (x, y): forward, MSE, backward, SGD."""
     import domainpar as dp
     wrapped = dp.DomainParallel(model, grid)
     opt = torch.optim.SGD(wrapped.parameters(), lr=1e-4)
 
     def step(x, y):
         opt.zero_grad(set_to_none=True)
-        delay(x)
         loss = ((wrapped(x) - y) ** 2).mean()
         loss.backward()
         opt.step()
@@ -125,6 +139,10 @@ def _compare(comm, steps: dict, cells: dict, repeats: int, label: str) -> dict:
     for name in steps:  # the slowest rank's compute alone, communication left out
         worst = max(per_rank[name]["compute_s"])
         out[f"{name}_compute_over_ideal"] = worst / ideal if ideal else None
+    # the step's communication: the blocked time of the rank that waits least
+    comm_s = min(per_rank["balanced"]["blocked_s"])
+    out.update(communication_s=comm_s, ideal_plus_communication_s=ideal + comm_s
+               if ideal else None)
     return out
 
 
@@ -137,14 +155,22 @@ def _ideal(per_rank: dict) -> float | None:
     return sum(bal["cells"]) / sum(rates) if rates else None
 
 
-def _settle(balancer, steps: int, step_on, relayout=None) -> list:
-    """Collective. ``steps`` measured steps with the Balancer; ``relayout()``
-    after a move (default: the data follow through ``balancer.layout``)."""
+def _settle(balancer, steps: int, step_on, relayout) -> dict:
+    """Collective. ``steps`` measured steps with the Balancer, ``relayout()``
+    after each move; the Balancer's own cost: the wall time of each
+    ``balancer.step()`` and of each relayout (the data's repartition)."""
+    cost: dict[str, list[float]] = {"step_s": [], "move_s": []}
     for _ in range(steps):
         step_on()
-        if balancer.step() and relayout is not None:
+        t0 = time.perf_counter()
+        moved = balancer.step()
+        cost["step_s"].append(time.perf_counter() - t0)
+        if moved:
+            t0 = time.perf_counter()
             relayout()
-    return balancer.history
+            cost["move_s"].append(time.perf_counter() - t0)
+    return {"history": balancer.history, "fixed_s": balancer.fixed_seconds().tolist(),
+            "median_step_s": median(cost["step_s"]), "moves_s": cost["move_s"]}
 
 
 def grid_case(comm, grid, *, side, channels, layers, passes, slow_rank, settle, repeats,
@@ -157,20 +183,25 @@ def grid_case(comm, grid, *, side, channels, layers, passes, slow_rank, settle, 
     model = torch.nn.Sequential(*[m for _ in range(layers) for m in
                                   (torch.nn.Conv2d(channels, channels, 3, padding=1),
                                    torch.nn.Tanh())])
-    step = _trainer(model, grid, _slowdown(model, passes, comm.Get_rank() == slow_rank))
+    _slowdown(model, passes, comm.Get_rank() == slow_rank)
+    step = _trainer(model, grid)
     g = torch.Generator().manual_seed(1)
     x_full, y_full = (torch.randn(1, channels, side, side, generator=g) for _ in range(2))
     x, y = shard_like(x_full, grid, {2: 0}), shard_like(y_full, grid, {2: 0})
     balancer = dp.Balancer(x.decomposition, clock=clock_kind)
-    history = _settle(balancer, settle, lambda: step(balancer.layout(x), balancer.layout(y)))
-    bx, by = balancer.layout(x), balancer.layout(y)
+    now = {"data": (x, y)}
+
+    def relayout():
+        now["data"] = balancer.layout(x), balancer.layout(y)
+    settled = _settle(balancer, settle, lambda: step(*now["data"]), relayout)
+    bx, by = now["data"]
     cells = {"even": x.to_local().numel(), "balanced": bx.to_local().numel()}
     result = _compare(comm, {"even": lambda: step(x, y), "balanced": lambda: step(bx, by)},
                       cells, repeats, "grid")
     return {"shape": list(x.shape), "layers": layers, "sharded_dim": 2,
             "sizes": {"even": list(x.decomposition.block_sizes(2)),
                       "balanced": list(bx.decomposition.block_sizes(2))},
-            "balancer_history": history, **result}
+            "balancer": settled, **result}
 
 
 def clustered_points(n: int, cluster: float, seed: int = 2) -> torch.Tensor:
@@ -197,7 +228,8 @@ def points_case(comm, grid, *, points, cluster, channels, layers, passes, slow_r
     for _ in range(layers - 1):
         mlp += [torch.nn.Tanh(), torch.nn.Linear(channels * 4, channels * 4)]
     model = torch.nn.Sequential(*mlp, torch.nn.Tanh(), torch.nn.Linear(channels * 4, 1))
-    step = _trainer(model, grid, _slowdown(model, passes, comm.Get_rank() == slow_rank))
+    _slowdown(model, passes, comm.Get_rank() == slow_rank)
+    step = _trainer(model, grid)
     g = torch.Generator().manual_seed(3)
     coords = shard_like(clustered_points(points, cluster), grid, {0: 0})
     feats = shard_like(torch.randn(points, channels, generator=g), grid, {0: 0})
@@ -211,7 +243,7 @@ def points_case(comm, grid, *, points, cluster, channels, layers, passes, slow_r
         part = dpp.partition(coords, capacity=balancer.shares())
         data["now"] = part(feats, target)
         balancer.adopt(data["now"][0].decomposition)
-    history = _settle(balancer, settle, lambda: step(*data["now"]), relayout)
+    settled = _settle(balancer, settle, lambda: step(*data["now"]), relayout)
     cells = {k: data[k][0].to_local().numel() for k in ("even", "now")}
     result = _compare(comm, {"even": lambda: step(*data["even"]),
                              "balanced": lambda: step(*data["now"])},
@@ -222,7 +254,7 @@ def points_case(comm, grid, *, points, cluster, channels, layers, passes, slow_r
                                                            comm.Get_size()),
             "counts": {"even": list(map(int, per_rank)),
                        "balanced": list(data["now"][0].decomposition.block_sizes(0))},
-            "balancer_history": history, **result}
+            "balancer": settled, **result}
 
 
 def _grid_cut_imbalance(xyz: torch.Tensor, parts: int) -> float:
@@ -243,7 +275,7 @@ def _points_available() -> str | None:
 
 
 def run(cases=("grid", "points"), side: int = 256, channels: int = 16, layers: int = 4,
-        points: int = 100_000, cluster: float = 0.7, passes: int = 3,
+        points: int = 100_000, cluster: float = 0.7, passes: int = 1,
         slow_rank: int | None = None, settle: int = 8, repeats: int = 7,
         clock_kind: str = "wall", out: str = "bench-out/balance.json") -> dict:
     """Collective. Each case: settle the balancer, then time the even and the
@@ -291,6 +323,11 @@ def _print(report: dict) -> None:
               f"{(case['ideal_step_s'] or 0) * 1e3:8.1f} ms   balanced/ideal "
               f"{ratio if ratio is None else round(ratio, 3)} (target <= {TARGET})   "
               f"blocks {sizes['even']} -> {sizes['balanced']}")
+        plus, own = case["ideal_plus_communication_s"], case["balancer"]
+        print(f"          ideal + the step's communication {(plus or 0) * 1e3:.1f} ms "
+              f"(balanced / that {med['balanced'] / plus if plus else float('nan'):.3f}); "
+              f"balancer.step() {own['median_step_s'] * 1e3:.2f} ms, "
+              f"{len(own['moves_s'])} move(s) of {sum(own['moves_s']) * 1e3:.1f} ms in all")
         print(f"          slowest rank's compute / ideal: even "
               f"{case['even_compute_over_ideal']:.3f}, balanced "
               f"{case['balanced_compute_over_ideal']:.3f}")

@@ -371,8 +371,9 @@ def _add_balance(bench_sub) -> None:
     balance = bench_sub.add_parser(
         "balance", help="dynamic load balancing (dp.Balancer) with one rank slowed: step "
                         "time on even and on balanced blocks, interleaved, against the ideal",
-        description="One rank (--slow-rank) is slowed by a per-cell delay: each step it runs "
-                    "its model's forward --passes extra times on its own block. A "
+        description="One rank (--slow-rank) is slowed by a per-cell delay spread over the "
+                    "step: each layer's forward runs --passes extra times on that rank's "
+                    "block, and its backward 2 x --passes extra forwards. A "
                     "dp.Balancer measures --settle steps from even blocks and moves them; "
                     "then the even and the balanced layouts are timed step by step, "
                     "interleaved. Cases: grid (a Conv2d stack on a field sharded along H) "
@@ -396,9 +397,10 @@ def _add_balance(bench_sub) -> None:
     balance.add_argument("--cluster", type=float, default=0.7,
                          help="points case: fraction of the points in one small ball "
                               "(default 0.7)")
-    balance.add_argument("--passes", type=_count, default=3,
-                         help="extra forwards of the model per step on the slowed rank, on "
-                              "its own block (default 3: about twice its compute)")
+    balance.add_argument("--passes", type=_count, default=1,
+                         help="extra forwards of each layer on the slowed rank's block, in "
+                              "forward (twice as many in backward) (default 1: about twice "
+                              "its compute)")
     balance.add_argument("--slow-rank", type=int, default=None,
                          help="the slowed rank (default: the last)")
     balance.add_argument("--settle", type=positive(int), default=8,
