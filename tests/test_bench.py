@@ -183,6 +183,71 @@ def test_scaling_efficiency_definitions():
     assert weak_shape((1, 2, 16, 8, 8), 3) == (1, 2, 48, 8, 8)
 
 
+def test_scaling_model_inference_rounds(tmp_path):
+    """--model, --inference and --rounds: the JSON names the model, the mode and
+    the machine; each rank count pools one job's samples per round."""
+    report, stdout, _ = _bench(tmp_path, "scaling", "--model", "vit2d", "--inference",
+                               "--side", "16", "--ranks", "1", "2", "--repeats", "1",
+                               "--rounds", "2")
+    assert (report["model"], report["mode"], report["rounds"]) == ("vit2d", "inference", 2)
+    assert report["model_config"].startswith("ViT2d(") and "no_grad" in report["step"]
+    machine = report["machine"]
+    assert machine["cores"] == report["cpus"] > 0 and machine["host"] == report["host"]
+    assert len(machine["loadavg_start"]) == len(machine["loadavg_end"]) == 3
+    assert report["strong"]["global_shape"] == [1, 1, 16, 16]
+    assert report["weak"]["block_shape"] == [1, 1, 8, 16]
+    strong, weak = report["strong"]["points"], report["weak"]["points"]
+    assert strong["2"]["local_shape"] == [1, 1, 8, 16]
+    assert weak["2"]["global_shape"] == [1, 1, 16, 16]
+    for points in (strong, weak):
+        for n in ("1", "2"):
+            p = points[n]
+            assert len(p["samples_s"]) == len(p["job_medians_s"]) == 2  # one per round
+            assert min(p["samples_s"]) <= p["median_step_s"] <= max(p["samples_s"])
+            assert p["speedup"] > 0
+        assert points["1"]["efficiency"] == pytest.approx(1.0)
+    assert "ViT2d(patch=4" in stdout and "inference forward (eval, no_grad)" in stdout
+    assert "2 rounds alternating" in stdout
+
+
+def test_scaling_shapes_per_model(capsys):
+    from domainpar.bench import scaling
+    assert scaling.shapes("unet3d") == ((1, 2, 64, 64, 64), (1, 2, 32, 64, 64))
+    assert scaling.shapes("fno2d", 128) == ((1, 1, 128, 128), (1, 1, 64, 128))
+    assert scaling.shapes("vit2d", 64, weak=(1, 1, 16, 64)) == ((1, 1, 64, 64), (1, 1, 16, 64))
+    with pytest.raises(ValueError, match="fno2d takes 4 extents"):
+        scaling.shapes("fno2d", strong=(1, 2, 8, 8, 8))
+    args = cli.build_parser().parse_args(["bench", "scaling", "--model", "vit2d",
+                                          "--weak-block", "1", "2", "8", "8", "8"])
+    with pytest.raises(SystemExit, match="--weak-block 1 2 8 8 8: vit2d takes 4 extents"):
+        args.run(args)
+
+
+@pytest.mark.parametrize("model,shape", [("unet3d", (1, 2, 8, 8, 8)), ("vit2d", (1, 1, 8, 8)),
+                                         ("fno2d", (1, 1, 8, 8))])
+def test_scaling_steps_train_or_only_infer(model, shape):
+    """A training step moves the parameters; an inference step (eval, no_grad)
+    neither moves them nor leaves gradients, and keeps BatchNorm's running stats."""
+    import torch
+    from mpi4py import MPI
+
+    import domainpar as dp
+    from domainpar.bench import step as bench_step
+    grid = dp.ProcessGrid((1,), comm=MPI.COMM_SELF)
+    factory = bench_step.model_factory(model, shape, levels=2)
+    for inference in (True, False):
+        made = factory()  # DomainParallel wraps this module: its parameters are the model's
+        build = bench_step.inference_step if inference else bench_step.training_step
+        step, local = build(grid, lambda m=made: m, shape)
+        before = [t.detach().clone() for t in made.state_dict().values()]
+        step()
+        after = list(made.state_dict().values())
+        moved = any(not torch.equal(a, b) for a, b in zip(before, after))
+        assert local == shape and moved is not inference
+        if inference:
+            assert all(p.grad is None for p in made.parameters())
+
+
 def test_compare_rejects_unknown_keys_and_values(capsys):
     parser = cli.build_parser()
     for words, says in ((["FOO=1"], "valid keys: DOMAINPAR_HALO_WAY"),
