@@ -12,8 +12,7 @@ from torch.utils import _pytree as pytree
 
 from ..tensor import layout
 from ..tensor.aliasing import writes_operand
-from ..tensor.dispatch import (UnsupportedOpError, flat, op_name, register,
-                                register_attribute)
+from ..tensor.dispatch import UnsupportedOpError, flat, op_name, register, register_attribute
 from ..tensor.domain_tensor import DomainTensor
 from .common import onto, output_layout, wrap
 

@@ -156,11 +156,11 @@ def flat(args: Sequence[Any], kwargs: Mapping[str, Any]) -> bool:
         for a in (*args, *kwargs.values()))
 
 
-def domain_tensors(args: Sequence[Any],
+def domain_tensors(args: Iterable[Any],
                    kwargs: Mapping[str, Any] | None = None) -> list[DomainTensor]:
     """The DomainTensors among (nested) ``args`` and ``kwargs``, in order."""
     from .domain_tensor import DomainTensor
-    kwargs = kwargs or {}
+    args, kwargs = tuple(args), kwargs or {}
     leaves = (*args, *kwargs.values()) if flat(args, kwargs) \
         else pytree.tree_leaves((args, kwargs))
     return [a for a in leaves if isinstance(a, DomainTensor)]

@@ -13,7 +13,6 @@ from ..comm.decomposition import Decomposition
 from ..comm.errors import LayoutError
 from ..comm.grid import ProcessGrid
 
-
 _T = TypeVar("_T")
 
 # -- the plan cache ----------------------------------------------------------------------------
