@@ -42,6 +42,12 @@ def _cuda_aware(value: str | None) -> None:
     runtime.cuda_aware_mpi.cache_clear()  # cached answer: ask again under this setting
 
 
+def _plan_cache(value: str | None) -> None:
+    layout = sys.modules.get("domainpar.tensor.layout")
+    if layout is not None:  # else it reads the environment when imported
+        layout.set_plan_cache(value != "0")
+
+
 def _threads(value: str | None) -> None:
     torch = sys.modules.get("torch")
     if torch is not None and value:  # A's count is restored by applied() itself
@@ -61,6 +67,8 @@ KEYS: dict[str, tuple[str, tuple[str, ...] | Callable[[str], bool],
     "DOMAINPAR_CUDA_AWARE": ("device buffers straight to MPI (1) or staged (0)", ("0", "1"),
                              _cuda_aware),
     "DOMAINPAR_IO": ("HDF5 driver", ("auto", "mpio", "serial"), lambda value: None),
+    "DOMAINPAR_PLAN_CACHE": ("per-op plan cache and dispatch fast paths on (1) or off (0)",
+                             ("0", "1"), _plan_cache),
     "OMP_NUM_THREADS": ("torch threads per rank", _positive_int, _threads),
 }
 

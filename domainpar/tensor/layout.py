@@ -52,10 +52,10 @@ def planned(key: Hashable, make: Callable[[], _T]) -> _T:
 
 def set_plan_cache(on: bool) -> None:
     """Local. Turn the plan cache and the dispatch fast paths on or off (the
-    DOMAINPAR_PLAN_CACHE setting); the cache starts empty either way."""
+    DOMAINPAR_PLAN_CACHE setting). Plans made before stay valid (a plan depends
+    on its key alone) and serve again when it is turned back on."""
     global ENABLED
     ENABLED = bool(on)
-    clear_plan_cache()
 
 
 def clear_plan_cache() -> None:
