@@ -124,6 +124,30 @@ def test_sizes_follow_throughputs_and_every_rank_agrees():
     check_on_every_rank(agreed((balancer.sizes, balancer.history)), "history differs")
 
 
+def test_fixed_cost_per_step_is_fitted_and_balanced():
+    """Each rank's step takes fixed[r] + cells / speed[r] (the last rank has a
+    large fixed cost): after the first move the Balancer fits the fixed part
+    from the two layouts and the second move equalises the times, to within a
+    few percent of the best continuous split; every rank agrees."""
+    grid = dp.ProcessGrid((SIZE,))
+    fixed = [60.0] + [0.0] * (SIZE - 1)  # on the slowest rank, whose block shrinks most
+    balancer = dp.Balancer(dp.Decomposition((240, 3), grid, {0: 0}), warmup=0, threshold=0.02)
+
+    def times():
+        rows = balancer.sizes[0]
+        return [fixed[r] + 3 * rows[r] / speed(r) for r in range(SIZE)]
+    for _ in range(12):
+        balancer.step(compute_seconds=times()[RANK])
+    check_on_every_rank(agreed(balancer.history), "histories differ")
+    if SIZE == 1:
+        assert not balancer.history or not any(h["moved"] for h in balancer.history)
+        return
+    rate = np.array([3 / speed(r) for r in range(SIZE)])  # seconds per row
+    best = (240 + sum(f / c for f, c in zip(fixed, rate))) / sum(1 / rate)  # equal times
+    assert max(times()) <= best * 1.05, (times(), best, balancer.history)
+    np.testing.assert_allclose(balancer.fixed_seconds(), fixed, atol=1e-6)
+
+
 def moves(threshold, smoothing, steps=40, noise=0.03, noise_margin=3.0):
     grid = dp.ProcessGrid((SIZE,))
     balancer = dp.Balancer(dp.Decomposition((60, 4), grid, {0: 0}), threshold=threshold,

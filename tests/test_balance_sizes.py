@@ -1,14 +1,23 @@
 """The balancer's arithmetic (domainpar.balance.sizes), serial: rounding that
 minimises the slowest block's time (checked against every composition of small
 sizes), minimum sizes and units, the separable fit on 2-D grids, and the
-predicted saving."""
+predicted saving; the fit of a fixed cost per step and the plan that
+equalises times with it."""
 import itertools
 import math
 
 import numpy as np
 import pytest
 
-from domainpar.balance import balanced_plan, gain, predicted_time, proportional_sizes
+from domainpar.balance import (
+    affine_fit,
+    affine_plan,
+    affine_times,
+    balanced_plan,
+    gain,
+    predicted_time,
+    proportional_sizes,
+)
 
 
 def compositions(n, parts):
@@ -69,3 +78,42 @@ def test_no_saving_is_zero_not_negative():
     assert gain({0: (10, 20)}, {0: (20, 10)}, {0: 0}, coords, [1.0, 2.0]) == 0.0
     assert math.isclose(gain({0: (20, 10)}, {0: (10, 20)}, {0: 0}, coords, [1.0, 2.0]), 0.5)
     assert np.isfinite(predicted_time({0: (0, 30)}, {0: 0}, coords, [1.0, 2.0]))
+
+
+def test_affine_fit_recovers_a_line_and_falls_back_to_per_cell():
+    fixed, per_cell = np.array([0.5, 0.0, 2.0, 1.0]), np.array([0.01, 0.02, 0.01, 0.01])
+    before = np.array([100.0, 100.0, 100.0, 100.0])
+    now = np.array([150.0, 50.0, 105.0, 100.0])
+    got = affine_fit((before, fixed + per_cell * before), (now, fixed + per_cell * now))
+    np.testing.assert_allclose(got[0][:2], fixed[:2])
+    np.testing.assert_allclose(got[1][:2], per_cell[:2])
+    # cells too close (5%) or equal: no line, seconds per cell now
+    np.testing.assert_allclose(got[0][2:], 0.0)
+    np.testing.assert_allclose(got[1][2:], (fixed + per_cell * now)[2:] / now[2:])
+    # a line that is no cost (faster with more cells) falls back too; NaN stays NaN
+    fx, pc = affine_fit(([100.0, 100.0], [3.0, 1.0]), ([150.0, 150.0], [2.0, np.nan]))
+    assert fx[0] == 0.0 and pc[0] == pytest.approx(2.0 / 150)
+    assert np.isnan(fx[1]) and np.isnan(pc[1])
+    # never measured before (the first layout): no fixed part
+    fx, pc = affine_fit(([np.nan], [np.nan]), ([80.0], [4.0]))
+    assert fx[0] == 0.0 and pc[0] == pytest.approx(0.05)
+    # no line now, but an earlier fit's fixed part (kept when less than the time now)
+    fx, pc = affine_fit(([100.0, 100.0], [3.0, 3.0]), ([100.0, 100.0], [3.0, 3.0]), [1.0, 5.0])
+    np.testing.assert_allclose(fx, [1.0, 0.0])
+    np.testing.assert_allclose(pc, [0.02, 0.03])
+
+
+@pytest.mark.parametrize("fixed", [(0.0, 0.0), (0.5, 0.0), (0.0, 0.9), (0.3, 0.1, 0.0)])
+@pytest.mark.parametrize("n", [7, 40])
+def test_affine_plan_is_the_best_composition(fixed, n):
+    parts = len(fixed)
+    per_cell = np.array([0.01, 0.03, 0.02][:parts])
+    coords = [(r,) for r in range(parts)]
+    current = {0: tuple(proportional_sizes(n, [1.0] * parts))}
+    got = affine_plan((n, 2), {0: 0}, (parts,), coords, current, fixed, per_cell, [0], 1)
+    assert sum(got[0]) == n and min(got[0]) >= 1
+
+    def worst(sizes):
+        return affine_times({0: sizes}, {0: 0}, coords, 2, fixed, per_cell).max()
+    best = min(worst(c) for c in compositions(n, parts) if min(c) >= 1)
+    assert worst(got[0]) == pytest.approx(best)

@@ -5,6 +5,15 @@
 docs/balance.md for when to use it.
 """
 from .balancer import Balancer
-from .sizes import balanced_plan, gain, predicted_time, proportional_sizes
+from .sizes import (
+    affine_fit,
+    affine_plan,
+    affine_times,
+    balanced_plan,
+    gain,
+    predicted_time,
+    proportional_sizes,
+)
 
-__all__ = ["Balancer", "balanced_plan", "gain", "predicted_time", "proportional_sizes"]
+__all__ = ["Balancer", "affine_fit", "affine_plan", "affine_times", "balanced_plan", "gain",
+           "predicted_time", "proportional_sizes"]

@@ -279,7 +279,8 @@ class Balancer:
         ref = self.decomposition
         current = {d: ref.block_sizes(d) for d in ref.shard}
         cells = self._cells(current)
-        fixed, per_cell = plan.affine_fit(self._before, (cells, cells / throughput))
+        fixed, per_cell = plan.affine_fit(self._before, (cells, cells / throughput),
+                                          self._fixed)
         self._fixed, self._per_cell = np.nan_to_num(fixed), per_cell
         per_cell = self._fit()[1]
         rest = math.prod(n for d, n in enumerate(ref.global_shape) if d not in ref.shard)

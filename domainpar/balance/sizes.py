@@ -98,22 +98,26 @@ def gain(current: Mapping[int, Sequence[int]], proposed: Mapping[int, Sequence[i
 
 
 def affine_fit(before: tuple[Floats, Floats], now: tuple[Floats, Floats],
-               spread: float = 0.1) -> tuple[np.ndarray, np.ndarray]:
+               prior: Floats | None = None, spread: float = 0.1
+               ) -> tuple[np.ndarray, np.ndarray]:
     """Local. Per rank, a step's time as ``fixed + per_cell * cells`` from two
     layouts' measurements (``(cells, seconds)`` per rank, before and now): the
     line through the two points where the cells differ by more than ``spread``
     of the larger and the line is a cost (per_cell > 0, fixed >= 0); otherwise
-    no fixed part (``seconds / cells`` now). NaN seconds (not measured) give
-    NaN."""
+    the ``prior`` fixed part (an earlier fit; none by default) where it is less
+    than the time now, the rest per cell. NaN seconds (not measured) give NaN."""
     x0, t0 = (np.asarray(v, dtype=float) for v in before)
     x1, t1 = (np.asarray(v, dtype=float) for v in now)
+    old = np.zeros_like(x1) if prior is None else np.asarray(prior, dtype=float)
     with np.errstate(divide="ignore", invalid="ignore"):
         slope = (t1 - t0) / (x1 - x0)
         fixed = t1 - slope * x1
         apart = np.abs(x1 - x0) > spread * np.maximum(x0, x1)
         line = apart & (slope > 0) & (fixed >= 0) & np.isfinite(t0)
-        per_cell = np.where(line, slope, t1 / x1)
-    return np.where(line, fixed, np.where(np.isnan(t1), np.nan, 0.0)), per_cell
+        old = np.where((old >= 0) & (old < t1), old, 0.0)
+        fixed = np.where(line, fixed, np.where(np.isnan(t1), np.nan, old))
+        per_cell = np.where(line, slope, (t1 - fixed) / x1)
+    return fixed, per_cell
 
 
 def affine_times(sizes: Mapping[int, Sequence[int]], shard: Mapping[int, int],
