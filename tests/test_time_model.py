@@ -10,16 +10,35 @@ block. The serial tests check hand-counted cases and the prediction's sums.
 """
 from __future__ import annotations
 
+import contextlib
 import math
 
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 
 import domainpar as dp
 from domainpar.plan.comms import Event, Where, record, traffic
-from domainpar.plan.timemodel import Compute, Machine, Network, category, event_seconds, limiting, predict
-from domainpar.plan.timereport import _cubic
+from domainpar.plan.timeattn import attention_seconds, counting, target_work, work_of
+from domainpar.plan.timemodel import (
+    Compute,
+    Machine,
+    Network,
+    category,
+    event_seconds,
+    limiting,
+    predict,
+    ring_hops,
+)
+from domainpar.plan.timereport import (
+    VALIDATION_MODELS,
+    _cubic,
+    load_warning,
+    validation_models,
+    validation_table,
+)
+from domainpar.plan.timerun import fit_compute
 from domainpar.testing import layout, shard_like
 from domainpar.testing.models import FNO2d, UNet3d
 from tensor_cases import SIZE
@@ -97,7 +116,8 @@ def test_predict_sums_compute_and_events_and_shares_cores():
 
 
 def test_limiting_names_the_largest_part_where_efficiency_halves():
-    rows = [{"ranks": p, "step": s, "compute": c, "halo": h, "gradient allreduce": 0.0,
+    rows = [{"ranks": p, "step": s, "compute": c, "attention": 0.0, "halo": h,
+             "gradient allreduce": 0.0,
              "small allreduces": a, "transposes": 0.0, "ring shifts": 0.0, "gathers": 0.0,
              "fixed": 0.0}
             for p, s, c, h, a in ((1, 8.0, 8.0, 0, 0), (2, 4.2, 4, 0.1, 0.1),
@@ -109,6 +129,110 @@ def test_limiting_names_the_largest_part_where_efficiency_halves():
 def test_cubic_grids():
     assert _cubic(1) == (1, 1, 1) and _cubic(8) == (2, 2, 2) and _cubic(32) == (4, 4, 2)
     assert math.prod(_cubic(1024)) == 1024
+
+
+# -- serial: attention, ring passes, polled agreements, the validation's report ----------------
+def test_attention_work_is_queries_times_global_keys_and_scales_as_n2_over_p():
+    assert work_of((2, 4, 10, 8), (2, 4, 30, 8)) == 2 * 4 * 10 * 30 * 8
+    e = Event("attention", "kernels", ranks=2, work=1000, seconds=0.01)
+    # Twice the tokens (cells) on 4 ranks: 4x the pairs over twice the ranks.
+    where = Where((4,), (2,), (1.0, 1.0, 2.0))
+    assert target_work(e, where) == pytest.approx(1000 * 4 * 2 / 4)
+    assert attention_seconds(e, where, rate=0.5) == pytest.approx(0.01 * 2 * 0.5)
+    assert attention_seconds(e, Where((1,), (0,))) == pytest.approx(0.02)  # N^2 on one rank
+    r = predict([e], (1, 1, 8), (1, 1, 8), (4,), (2,), Compute((0.0, 0.0), (2,)),
+                Machine("m", Network("n", 1e-6, 1e9)))
+    assert r["attention"] == pytest.approx(0.005) and category(e) == "attention"
+
+
+def test_counting_reads_the_flash_kernels_forward_and_backward():
+    torch.manual_seed(0)
+    q = torch.randn(1, 2, 10, 4, requires_grad=True)
+    k, v = torch.randn(1, 2, 6, 4), torch.randn(1, 2, 6, 4)
+    with counting() as tally:
+        F.scaled_dot_product_attention(q, k, v).sum().backward()
+    assert tally.calls == 2 and tally.work == 2 * (1 * 2 * 10 * 6 * 4)
+    with counting() as tally:
+        torch.randn(3, 4) @ torch.randn(4, 5)
+    assert tally.calls == 0 and tally.work == 0
+
+
+def test_ring_passes_scale_with_the_ring():
+    kv = Event("ring", "ring_shift", ranks=2, nbytes=64, messages=2, hops=-1)
+    grads = Event("ring", "ring_shift", ranks=2, nbytes=64, messages=2, hops=0)
+    # Over P ranks: k/v blocks P - 1 hops a pass, gradient accumulators P.
+    assert [ring_hops(kv, p) for p in (1, 2, 4, 8)] == [0, 1, 3, 7]
+    assert [ring_hops(grads, p) for p in (1, 2, 4, 8)] == [0.5, 1, 2, 4]
+    assert ring_hops(Event("ring", "mirror_exchange", ranks=2), 8) == 1
+    net = Network("n", 1e-6, 1e9)
+    kv.seconds = 1e-3
+    one = event_seconds(kv, Where((2,), (1,)), net, Where((2,), (0,)), net)
+    assert event_seconds(kv, Where((4,), (2,)), net, Where((2,), (0,)), net) == pytest.approx(
+        3 * (2e-6 + 32 / 1e9 + 1e-3 - (2e-6 + 64 / 1e9)))
+    assert one == pytest.approx(1e-3)
+
+
+def test_a_polled_agreement_costs_only_past_one_rank():
+    net = Network("n", 1e-6, 1e9, 4e-6)
+    poll = Event("poll", "completes_within", ranks=2, seconds=1.2e-3)
+    traced = Where((2,), (0,))
+    assert category(poll) == "small allreduces"
+    assert event_seconds(poll, Where((1,), (0,)), net, traced, net) == 0.0
+    assert event_seconds(poll, Where((8,), (4,)), net, traced, net) == pytest.approx(
+        3 * 4e-6 + 1.2e-3 - 4e-6)
+
+
+def test_the_compute_fit_leaves_the_attention_kernels_out():
+    # Attention grows as cells^2; what is left is a + b cells + c faces exactly.
+    points = [{"block": [1, 1, n, n], "seconds": 1e-3 + 1e-5 * n * n + 1e-6 * 2 * n
+               + 1e-9 * n ** 4, "attention_s": 1e-9 * n ** 4} for n in (8, 16, 32, 64)]
+    compute, _ = fit_compute(points, (2, 3))
+    assert compute.coef == pytest.approx((1e-3, 1e-5, 1e-6))
+
+
+def test_validation_reports_load_median_and_fastest():
+    assert load_warning("5.36 3.1 2.0", cores=2).startswith("warning: load average 5.36 > 2")
+    assert load_warning("1.5 3.1 2.0", cores=2) is None and load_warning("n/a", 2) is None
+    row = {"model": "ViT", "ranks": 2, "transport": "default", "predicted_s": 0.012,
+           "measured_s": 0.016, "error": -0.25, "fastest_s": 0.010, "error_fastest": 0.2,
+           "load": 3.5}
+    table = validation_table([row])
+    assert "| ViT   | 2     | shm" in table and "12 ms" in table and "+20%" in table
+    assert "3.5" in table
+    assert [m["name"] for m in validation_models(["FNO"])] == ["FNO"]
+    with pytest.raises(ValueError, match="choose from"):
+        validation_models(["GPT"])
+
+
+def test_validate_cli_offers_every_validation_model():
+    import argparse
+
+    from domainpar.plan import timecli
+    top = argparse.ArgumentParser().add_subparsers()
+    timecli.add_parser(top)
+    model = top.choices["model"]
+    validate = model._subparsers._group_actions[0].choices["validate"]  # type: ignore[union-attr]
+    choices = next(a.choices for a in validate._actions if a.dest == "models")
+    assert list(choices) == [m["name"] for m in VALIDATION_MODELS]
+
+
+def test_clock_observers_may_take_the_calls_arguments():
+    from domainpar.comm import clock
+
+    @clock.blocking
+    def exchange(a, *, tag=0):
+        return a + tag
+    seen: list = []
+
+    def observer(*call):
+        seen.append(call)
+        return contextlib.nullcontext()
+    with clock.observing(observer, arguments=True), clock.observing(observer):
+        assert exchange(2, tag=3) == 5
+    name = exchange.__qualname__
+    assert seen == [(name, (2,), {"tag": 3}), (name,)]
+    exchange(1)
+    assert len(seen) == 2  # outside the blocks: not observed
 
 
 # -- MPI: the model's counts against the exchanges' own --------------------------------------
@@ -160,6 +284,33 @@ def test_a_training_steps_counts_match_the_ops(which):
     kinds = {e.kind for e in events if e.ranks > 1}
     if SIZE > 1:
         assert "allreduce" in kinds and ("halo" in kinds or "repartition" in kinds)
+    assert_counts_match(events, grid)
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("kind", ["even", "uneven"])
+def test_ring_attention_counts_match_the_ring(kind):
+    """One sdpa forward and backward on tokens sharded over SIZE ranks: the
+    kernels' work is this rank's queries x all keys, and the ring shifts are
+    the passes ``ring_hops`` scales (2 of the k/v blocks, 1 of their gradients)."""
+    torch.manual_seed(0)
+    shape = (1, 2, 13, 4)
+    grid, shard, sizes = layout(shape, (2,), 1, kind)
+    q, k, v = (shard_like(torch.randn(shape), grid, shard, sizes, requires_grad=True)
+               for _ in range(3))
+    with record() as events, counting() as tally:
+        F.scaled_dot_product_attention(q, k, v).sum().backward()
+    nq = q._local.shape[2]
+    assert tally.work == 2 * (1 * 2 * nq * 13 * 4)   # forward and backward
+    e = tally.event(SIZE)
+    assert target_work(e, Where((SIZE,), (0,))) == e.work
+    shifts = [e for e in events if e.kind == "ring"]
+    if SIZE == 1:
+        assert not shifts
+        return
+    assert sorted(e.hops for e in shifts) == [-1] * 2 * (SIZE - 1) + [0] * SIZE
+    for p in (2, 3, 4, 8):  # what the model makes of this trace at p ranks
+        assert sum(ring_hops(e, p) for e in shifts) == pytest.approx(2 * (p - 1) + p)
     assert_counts_match(events, grid)
 
 

@@ -12,7 +12,9 @@ is two reads of each clock per call.
 
 ``observing`` is the public hook for benchmarks that need more than the total:
 it runs each outermost call inside a context manager of theirs, named after the
-call (``HaloExchange.fill``), to time it or label it for a profiler. This
+call (``HaloExchange.fill``), to time it or label it for a profiler, and
+with ``arguments=True`` given the call's arguments too (the layout it was
+given: ``domainpar model`` counts the bytes of every exchange from them). This
 module is the one place that hooks into communication calls; benchmarks never
 patch comm/ methods.
 """
@@ -32,7 +34,8 @@ _R = TypeVar("_R")
 _local = threading.local()
 _lock = threading.Lock()
 _total: list[float] = [0.0, 0, 0.0]  # wall seconds, calls, CPU seconds
-_observers: list[Callable[[str], ContextManager[object]]] = []
+# Each observer with whether it takes the call's arguments as well as its name.
+_observers: list[tuple[Callable[..., ContextManager[object]], bool]] = []
 
 
 def blocked_seconds(cpu: bool = False) -> float:
@@ -54,25 +57,30 @@ def blocking_calls() -> int:
 
 
 @contextlib.contextmanager
-def observing(observer: Callable[[str], ContextManager[object]]) -> Iterator[None]:
+def observing(observer: Callable[..., ContextManager[object]],
+              arguments: bool = False) -> Iterator[None]:
     """Local. Inside this block, every outermost communication call on this
     process runs inside ``observer(name)``, a context manager made per call,
     ``name`` the call's qualified name (``HaloExchange.fill``,
-    ``HaloExchange.accumulate``, ``allreduce`` ...). Observers nest; outside any
-    block a call pays one test of an empty list."""
-    _observers.append(observer)
+    ``HaloExchange.accumulate``, ``allreduce`` ...); with ``arguments``, inside
+    ``observer(name, args, kwargs)``, the call's own arguments (``self`` first
+    for a method). Observers nest; outside any block a call pays one test of an
+    empty list."""
+    entry = (observer, arguments)
+    _observers.append(entry)
     try:
         yield
     finally:
-        _observers.remove(observer)
+        _observers.remove(entry)
 
 
-def _observed(name: str) -> ContextManager[object]:
+def _observed(name: str, args: tuple[object, ...],
+              kwargs: dict[str, object]) -> ContextManager[object]:
     if not _observers:
         return contextlib.nullcontext()
     stack = contextlib.ExitStack()
-    for observer in _observers:
-        stack.enter_context(observer(name))
+    for observer, arguments in list(_observers):
+        stack.enter_context(observer(name, args, kwargs) if arguments else observer(name))
     return stack
 
 
@@ -89,7 +97,7 @@ def blocking(fn: Callable[_P, _R]) -> Callable[_P, _R]:
         _local.depth = 1
         start, start_cpu = time.perf_counter(), time.process_time()
         try:
-            with _observed(name):
+            with _observed(name, args, kwargs):
                 return fn(*args, **kwargs)
         finally:
             took, took_cpu = time.perf_counter() - start, time.process_time() - start_cpu

@@ -51,6 +51,8 @@ class Event:
     nbytes: int = 0                 # this rank's bytes received (or reduced) in the call
     messages: int = 0               # this rank's messages received (self excluded)
     seconds: float = 0.0            # the call's wall time, as recorded
+    hops: int = 0                   # ring shift: hops of its pass less the ring's size
+    work: int = 0                   # attention: the kernels' work (``timeattn``)
 
     def as_dict(self) -> dict:
         """Local. The event as JSON-ready data (int dict keys as strings)."""
@@ -77,8 +79,10 @@ class Event:
 def record() -> Iterator[list[Event]]:
     """Local. Within the block, every halo exchange and collective this process
     calls is appended to the yielded list with its wall time (the calls
-    themselves run as usual; a nonblocking one's time is its start's)."""
-    from ..comm import collectives
+    themselves run as usual; a nonblocking one's time is its start's, a ring
+    shift's its start's and its wait's, the wait seen through
+    ``comm.clock.observing``)."""
+    from ..comm import clock, collectives
     from ..comm.halo import HaloExchange
     events: list[Event] = []
     saved = {name: getattr(collectives, name)
@@ -100,22 +104,47 @@ def record() -> Iterator[list[Event]]:
             return timed(_halo_event(self, a, adjoint), lambda: method(self, a, **kw))
         return wrapped
 
+    pending: dict[int, Event] = {}  # started ring shifts -> their events
+
     def collective(name, fn):
         def wrapped(*args, **kw):
-            return timed(_collective_event(name, args), lambda: fn(*args, **kw))
+            event = _collective_event(name, args, kw)
+            out = timed(event, lambda: fn(*args, **kw))
+            if name == "ring_shift":
+                pending[id(out)] = event
+            return out
         return wrapped
+
+    @contextlib.contextmanager
+    def observed(name, args, kwargs):
+        """A ring shift's wait, added to its start's event; a polled agreement
+        (DomainParallel's per-step check), an event of its own."""
+        event = pending.pop(id(args[0]), None) if name == "PendingShift.wait" else None
+        if name == "completes_within":
+            event = Event("poll", name, ranks=_world_size())
+            events.append(event)
+        t0 = time.perf_counter()
+        yield
+        if event is not None:
+            event.seconds += time.perf_counter() - t0
 
     for name, adjoint in halo_methods.items():
         setattr(HaloExchange, name, halo_method(saved_halo[name], adjoint))
     for name, fn in saved.items():
         setattr(collectives, name, collective(name, fn))
     try:
-        yield events
+        with clock.observing(observed, arguments=True):
+            yield events
     finally:
         for name, method in saved_halo.items():
             setattr(HaloExchange, name, method)
         for name, fn in saved.items():
             setattr(collectives, name, fn)
+
+
+def _world_size() -> int:
+    from mpi4py import MPI
+    return MPI.COMM_WORLD.Get_size()
 
 
 def _halo_event(halo, a, adjoint: bool) -> Event:
@@ -134,15 +163,16 @@ def _sizes(dec) -> dict:
     return {d: list(dec.block_sizes(d)) for d in dec.shard}
 
 
-def _collective_event(name: str, args) -> Event:
-    from ..comm import buffers
+def _collective_event(name: str, args, kw) -> Event:
+    from ..comm import buffers, collectives
     if name in _RING:
         sends = args[0] if isinstance(args[0], (list, tuple)) else [args[0]]
         comm = args[2]
         nbytes = sum(int(buffers.as_array(s).nbytes) for s in sends)
         size = comm.Get_size()
+        tag = kw.get("tag", args[4] if len(args) > 4 else collectives.RING_TAG)
         return Event("ring", name, ranks=size, nbytes=nbytes if size > 1 else 0,
-                     messages=len(sends) if size > 1 else 0)
+                     messages=len(sends) if size > 1 else 0, hops=_pass_hops(name, tag))
     arr = buffers.as_array(args[0])
     if name in _REDUCE:
         comm = args[1]
@@ -161,6 +191,14 @@ def _collective_event(name: str, args) -> Event:
     return Event("rooted", name, arr.dtype.itemsize, tuple(dec.global_shape), dict(dec.shard),
                  sizes=_sizes(dec), ranks=ranks, nbytes=int(whole - arr.nbytes),
                  messages=(ranks - 1) if whole > arr.nbytes else 0)
+
+
+def _pass_hops(name: str, tag: int) -> int:
+    """A ring shift's hops per ring pass less the ring's size, by its tag: ring
+    attention's gradient accumulators travel back to their owner (P hops), the
+    k/v blocks, like any other ring pass, visit the other ranks (P - 1)."""
+    from ..ops.ring import _GRAD_TAG
+    return 0 if name == "ring_shift" and tag >= _GRAD_TAG else -1
 
 
 def _repartition_event(arr, src, dst) -> Event:
@@ -241,6 +279,8 @@ def traffic(e: Event, where: Where) -> tuple[int, int]:
         return _halo_traffic(e, where)
     if e.kind == "repartition":
         return _repartition_traffic(e, where)
+    if e.kind in ("attention", "poll"):
+        return 0, 0
     if e.kind == "ring":
         if where.size <= 1:
             return 0, 0

@@ -66,6 +66,8 @@ def add_parser(subparsers) -> None:
     v.add_argument("--ranks", type=positive(int), nargs="+", default=[1, 2, 3, 4])
     v.add_argument("--transports", nargs="+", default=["default", "tcp"],
                    choices=["default", "tcp"])
+    v.add_argument("--models", nargs="+", choices=["UNet3d", "ViT", "FNO"],
+                   help="validate these models only (default: all three)")
     v.add_argument("--rounds", type=positive(int), default=2,
                    help="interleaved launches per configuration (default 2)")
     v.add_argument("--repeats", type=positive(int), default=5,
@@ -89,7 +91,7 @@ def _model(args) -> int:
         from . import timereport
         if args.model_command == "validate":
             timereport.validate(args.ranks, args.transports, args.rounds, args.repeats,
-                                args.out)
+                                args.out, args.models)
         else:
             timereport.project(out=args.out, budget_s=args.time_budget)
         return 0

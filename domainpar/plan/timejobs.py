@@ -3,7 +3,9 @@ under mpiexec (``domainpar model`` starts them), each writing JSON on rank 0:
 
 - ``trace``: one training step of each model on a grid of the world's ranks
   along the first shardable dim, after a warm-up step, with ``comms.record``
-  on: every halo exchange and collective with its layout and counted bytes;
+  on: every halo exchange and collective with its layout and counted bytes,
+  and last an ``attention`` event (``timeattn.counting``: the step's attention
+  kernels' work and time, of the rank with the most);
 - ``steps``: measured step times of each model (forward, backward, SGD step),
   the models interleaved round-robin so that a shared machine's slow spells
   hit all alike; per sample the slowest rank's time;
@@ -53,7 +55,10 @@ def trace(specs: list[dict], comm, steps: int = 5) -> dict:
     """Collective. Each model's recorded communication of one step (rank 0's),
     each call's time the least of ``steps`` recorded steps' (waiting for a
     late peer only ever adds)."""
+    from mpi4py import MPI
+
     from .comms import record
+    from .timeattn import counting
     out = {}
     for spec in specs:
         grid = _grid(spec, comm)
@@ -63,7 +68,12 @@ def trace(specs: list[dict], comm, steps: int = 5) -> dict:
         for _ in range(steps):
             with record() as events:
                 _step(model, x, opt)
-            runs.append(events)
+            with counting() as tally:  # apart: the dispatch mode slows every op
+                _step(model, x, opt)
+            # The rank with the most work (causal attention's last): Python's
+            # max of the (work, seconds) pairs.
+            tally.work, tally.seconds = comm.allreduce((tally.work, tally.seconds), op=MPI.MAX)
+            runs.append(events + [tally.event(comm.Get_size())])
         for i, e in enumerate(runs[0]):
             e.seconds = float(min(r[i].seconds for r in runs))
         out[spec["name"]] = {"grid": list(grid.dims), "events": [e.as_dict() for e in runs[0]]}

@@ -11,7 +11,13 @@
   hardware (0.05: twenty times this core);
 - the events are one step's halo exchanges and collectives recorded by
   ``comms.record`` on a traced run, re-counted for the target grid by
-  ``comms.traffic`` (busiest rank: the middle coordinate on every axis);
+  ``comms.traffic`` (busiest rank: the middle coordinate on every axis); a
+  ring shift stands for as many shifts as its pass makes at P ranks
+  (``ring_hops``);
+- attention (``timeattn``): the work of the trace's attention kernels
+  (queries x keys, so N^2 / P per rank under ring attention), priced at the
+  trace's own seconds per unit of work, times ``rate``; the compute fit's
+  points exclude their kernels' time;
 - a network is a latency ``alpha`` (s per message) and bandwidth ``beta``
   (bytes/s): a halo round, transpose, ring shift or gather costs
   ``messages x alpha + bytes / beta``; an allreduce of n bytes over P ranks
@@ -31,13 +37,16 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, replace
 
 from .comms import Event, Where, scale_of, traffic
+from .timeattn import attention_seconds
 
 # Calls whose local work (packing, plans, copies) a one-rank grid never runs, so
 # the compute fit misses it: transposes, gathers and ring shifts. A halo fill
 # and an allreduce run there too (with nothing to send), so their software cost
 # is in the compute already; their recorded times would add only waiting.
-SOFTWARE_KINDS = ("repartition", "rooted", "ring")
-CATEGORIES = ("compute", "halo", "gradient allreduce", "small allreduces", "transposes",
+# A polled agreement (``poll``: a nonblocking allreduce tested with 1 ms sleeps,
+# DomainParallel's per-step check) runs only past one rank too.
+SOFTWARE_KINDS = ("repartition", "rooted", "ring", "poll")
+CATEGORIES = ("compute", "attention", "halo", "gradient allreduce", "small allreduces", "transposes",
               "ring shifts", "gathers")
 
 
@@ -115,11 +124,23 @@ class Compute:
 
 def category(e: Event) -> str:
     """Local. Which line of the breakdown an event goes on."""
+    if e.kind == "poll":
+        return "small allreduces"
     if e.kind == "allreduce":
         return "gradient allreduce" if e.name == "iallreduce" or e.nbytes > 65536 \
             else "small allreduces"
-    return {"halo": "halo", "repartition": "transposes", "ring": "ring shifts"}.get(e.kind,
-                                                                                 "gathers")
+    return {"halo": "halo", "repartition": "transposes", "ring": "ring shifts",
+            "attention": "attention"}.get(e.kind, "gathers")
+
+
+def ring_hops(e: Event, ranks: int) -> float:
+    """Local. How many shifts ring shift ``e`` (traced over ``e.ranks``) stands for
+    over ``ranks``: its pass makes ``P + e.hops`` of them (``e.hops`` -1: ring
+    attention's k/v blocks visit the other ranks; 0: their gradient accumulators
+    go round back to their owner); other events 1."""
+    if e.kind != "ring" or e.name != "ring_shift" or e.ranks + e.hops <= 0:
+        return 1.0
+    return max(0, ranks + e.hops) / (e.ranks + e.hops)
 
 
 def event_seconds(e: Event, where: Where, net: Network, traced: Where | None = None,
@@ -130,12 +151,15 @@ def event_seconds(e: Event, where: Where, net: Network, traced: Where | None = N
     least of the traced steps') less what the network accounts for there."""
     own = _network_seconds(e, where, net)
     if traced is None or traced_net is None or own == 0.0 or e.kind not in SOFTWARE_KINDS:
-        return own
-    return own + max(0.0, e.seconds - _network_seconds(e, traced, traced_net))
+        return own * ring_hops(e, where.size)
+    software = max(0.0, e.seconds - _network_seconds(e, traced, traced_net))
+    return (own + software) * ring_hops(e, where.size)
 
 
 def _network_seconds(e: Event, where: Where, net: Network) -> float:
     nbytes, messages = traffic(e, where)
+    if e.kind == "poll":  # a small allreduce
+        return math.ceil(math.log2(where.size)) * net.small if where.size > 1 else 0.0
     if e.kind == "allreduce":
         p = where.size
         if p <= 1 or nbytes == 0:
@@ -167,7 +191,11 @@ def predict(events: Sequence[Event], trace_shape: Sequence[int], shape: Sequence
     parts = dict.fromkeys(CATEGORIES, 0.0)
     parts["compute"] = compute.seconds(block, machine.rate, machine.host_rate)
     for e in events:
-        parts[category(e)] += event_seconds(e, where, machine.network, trace_where, trace_net)
+        if e.kind == "attention":
+            parts["attention"] += attention_seconds(e, where, machine.rate)
+        else:
+            parts[category(e)] += event_seconds(e, where, machine.network, trace_where,
+                                                trace_net)
     factor = machine.oversubscription(where.size)
     parts = {k: v * factor for k, v in parts.items()}
     return {**parts, "step": sum(parts.values()), "block": block,

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import statistics
 from pathlib import Path
 from typing import Any
@@ -39,17 +40,49 @@ def loadavg() -> str:
         return "n/a"
 
 
+def one_minute_load(avg: str) -> float | None:
+    """Local. The 1-minute load of a ``loadavg()`` string (None for "n/a")."""
+    try:
+        return float(avg.split()[0])
+    except (ValueError, IndexError):
+        return None
+
+
+def load_warning(avg: str, cores: int | None = None) -> str | None:
+    """Local. A warning line when the 1-minute load of ``avg`` exceeds the cores
+    (the measured steps then wait on other processes), else None."""
+    cores = cores or os.cpu_count() or 1
+    load = one_minute_load(avg)
+    if load is None or load <= cores:
+        return None
+    return (f"warning: load average {load:g} > {cores} cores: other processes held the "
+            "cores during this launch; its timings are disturbed")
+
+
+def validation_models(names=None) -> list[dict]:
+    """Local. The validation's models, or those of ``names`` (a ValueError names
+    the choices for an unknown one)."""
+    known = {m["name"]: m for m in VALIDATION_MODELS}
+    unknown = sorted(set(names or ()) - set(known))
+    if unknown:
+        raise ValueError(f"unknown validation models {unknown}; choose from {sorted(known)}")
+    return [known[n] for n in names] if names else list(VALIDATION_MODELS)
+
+
 def validate(ranks=(1, 2, 3, 4), transports=("default", "tcp"), rounds: int = 2,
-             repeats: int = 5, out: str = "bench-out/model-validation.json") -> dict:
-    """Local (starts MPI jobs). Predicted against measured step times."""
-    models = list(VALIDATION_MODELS)
+             repeats: int = 5, out: str = "bench-out/model-validation.json",
+             names=None) -> dict:
+    """Local (starts MPI jobs). Predicted against measured step times (median
+    and fastest sample), with the machine's load at every launch."""
+    models = validation_models(names)
     print("tracing one step of each model on 2 ranks ...", flush=True)
     events = traced(models)
     networks = {t: measured_network(t) for t in transports}
     samples: dict[tuple[str, int, str], list[float]] = {
         (m["name"], p, t): [] for m in models for p in ranks for t in transports}
     points: dict[str, list] = {m["name"]: [] for m in models}
-    loads = []
+    loads: list[str] = []
+    launch_loads: dict[tuple[int, str], list[str]] = {}
     bar = Progress(rounds * (len(ranks) * len(transports) + 1), "measured runs", every_s=10)
     for _ in range(rounds):  # interleaved: every configuration once per round
         for m in models:  # compute on scaled-down blocks, in this process
@@ -59,6 +92,10 @@ def validate(ranks=(1, 2, 3, 4), transports=("default", "tcp"), rounds: int = 2,
         for p in ranks:
             for t in transports:
                 loads.append(loadavg())
+                launch_loads.setdefault((p, t), []).append(loads[-1])
+                warning = load_warning(loads[-1])
+                if warning:
+                    print(f"{p} rank(s), {t}: {warning}", flush=True)
                 result = job("steps", p, t, models, repeats)
                 for name, times in result.items():
                     samples[(name, p, t)] += times
@@ -74,26 +111,39 @@ def validate(ranks=(1, 2, 3, 4), transports=("default", "tcp"), rounds: int = 2,
                 traced_on = ([2] + [1] * (len(m["dims"]) - 1), networks[transports[0]])
                 pred = predict(events[m["name"]], m["shape"], m["shape"], grid, m["dims"],
                                computes[m["name"]][0], machine_here(networks[t]), traced_on)
-                meas = statistics.median(samples[(m["name"], p, t)])
+                times = samples[(m["name"], p, t)]
+                meas, fastest = statistics.median(times), min(times)
+                peak = max((one_minute_load(a) or 0.0 for a in launch_loads[(p, t)]),
+                           default=0.0)
                 rows.append({"model": m["name"], "ranks": p, "transport": t,
                              "predicted_s": pred["step"], "measured_s": meas,
-                             "error": pred["step"] / meas - 1, "breakdown": pred,
-                             "samples": samples[(m["name"], p, t)]})
+                             "error": pred["step"] / meas - 1, "fastest_s": fastest,
+                             "error_fastest": pred["step"] / fastest - 1, "load": peak,
+                             "breakdown": pred, "samples": times})
     result = {"models": models, "networks": {t: n.as_dict() for t, n in networks.items()},
               "compute": {k: {"coef": list(c.coef), "points": pts}
                           for k, (c, pts) in computes.items()},
               "loadavg": loads, "rows": rows}
     print(validation_table(rows))
+    cores = os.cpu_count() or 1
+    loaded = sum(1 for a in loads if (one_minute_load(a) or 0.0) > cores)
+    if loaded:
+        print(f"warning: {loaded} of {len(loads)} launches ran with a load average above "
+              f"the {cores} cores (column 'load'): the measured times include waiting for "
+              "other processes, which the model does not predict")
     _write(out, result)
     return result
 
 
 def validation_table(rows) -> str:
-    """Local. Predicted against measured step times, as a Markdown table."""
-    head = ("model", "ranks", "transport", "predicted", "measured", "error")
+    """Local. Predicted against measured step times (the median and the fastest
+    sample) and the highest 1-minute load of the launches, as a Markdown table."""
+    head = ("model", "ranks", "transport", "predicted", "measured (median)", "error",
+            "fastest sample", "error vs fastest", "load")
     body = [(r["model"], str(r["ranks"]), "shm" if r["transport"] == "default" else r["transport"],
-             f"{r['predicted_s'] * 1e3:.1f} ms", f"{r['measured_s'] * 1e3:.1f} ms",
-             f"{100 * r['error']:+.0f}%") for r in rows]
+             _ms(r["predicted_s"]), _ms(r["measured_s"]), f"{100 * r['error']:+.0f}%",
+             _ms(r["fastest_s"]), f"{100 * r['error_fastest']:+.0f}%", f"{r['load']:.1f}")
+            for r in rows]
     return _markdown(head, body)
 
 

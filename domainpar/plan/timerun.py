@@ -60,7 +60,9 @@ def measure_compute(model: dict, points: int = 4, budget_s: float = 60.0,
                     repeats: int = 3, blocks=None) -> tuple[Compute, list[dict]]:
     """Local. Fit the step time of ``model`` on a block (one torch thread, a
     one-rank grid, the plan's scaled-down blocks, or ``blocks``); the fit and
-    the measured points."""
+    the measured points. Each point's attention kernels (``timeattn``) are
+    timed in steps apart and left out of the fit: the model prices them from
+    the trace, at the real key count."""
     import torch
     from mpi4py import MPI
 
@@ -74,6 +76,7 @@ def measure_compute(model: dict, points: int = 4, budget_s: float = 60.0,
     torch.set_num_threads(1)
     points_out: list[dict[str, Any]] = []
     t0 = time.perf_counter()
+    attends = True  # until the first block's step runs no attention kernel
     try:
         for block in blocks or ladder(setup.shape, dims, multiple, min_block):
             if len(points_out) >= points or (len(points_out) >= 3
@@ -82,31 +85,37 @@ def measure_compute(model: dict, points: int = 4, budget_s: float = 60.0,
             if model.get("size_kwarg"):  # the model built for the block's field
                 kwargs = {**model["kwargs"], model["size_kwarg"]: list(block[2:])}
                 setup.factory = load_factory(model["entry"], kwargs)
-            points_out.append({"block": list(block),
-                               "seconds": _step_seconds(setup, block, grid, repeats)})
+            point = _step_seconds(setup, block, grid, repeats, attends)
+            attends = point["work"] > 0
+            points_out.append({"block": list(block), **point})
     finally:
         torch.set_num_threads(threads)
     return fit_compute(points_out, dims)
 
 
 def fit_compute(points, dims) -> tuple[Compute, list[dict]]:
-    """Local. The compute fit to measured ``{"block", "seconds"}`` points (the
-    median per block where a block was measured more than once)."""
+    """Local. The compute fit to measured ``{"block", "seconds"}`` points less
+    their ``attention_s`` (the median per block where a block was measured more
+    than once)."""
     from .model import features
     by_block: dict[tuple, list[float]] = {}
     for p in points:
-        by_block.setdefault(tuple(p["block"]), []).append(p["seconds"])
+        by_block.setdefault(tuple(p["block"]), []).append(
+            p["seconds"] - p.get("attention_s", 0.0))
     f = fit([(*features(b, dims), statistics.median(t)) for b, t in by_block.items()])
     return Compute(f.coef, tuple(dims)), points
 
 
-def _step_seconds(setup: Setup, block, grid, repeats: int) -> float:
-    """Median time of a training step (SGD) on ``block`` over a one-rank grid."""
+def _step_seconds(setup: Setup, block, grid, repeats: int, attends: bool = True) -> dict:
+    """``seconds``: the median time of a training step (SGD) on ``block`` over a
+    one-rank grid; ``attention_s`` and ``work``: its attention kernels' least
+    time and their work, in two steps apart (``attends`` False: not counted)."""
     import torch
 
     import domainpar as dp
 
     from ..comm import Decomposition
+    from .timeattn import counting
     torch.manual_seed(0)
     model = dp.DomainParallel(setup.factory(), grid)
     x = dp.DomainTensor(torch.randn(tuple(block)),
@@ -119,7 +128,14 @@ def _step_seconds(setup: Setup, block, grid, repeats: int) -> float:
         model(x).pow(2).mean().backward()
         opt.step()
         times.append(time.perf_counter() - t0)
-    return statistics.median(times[1:])
+    kernels = []
+    for _ in range(2 if attends else 0):
+        with counting() as tally:
+            opt.zero_grad(set_to_none=True)
+            model(x).pow(2).mean().backward()
+        kernels.append((tally.seconds, tally.work))
+    seconds, work = min(kernels, default=(0.0, 0))
+    return {"seconds": statistics.median(times[1:]), "attention_s": seconds, "work": work}
 
 
 def machine_here(network: Network) -> Machine:
