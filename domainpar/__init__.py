@@ -13,6 +13,7 @@ from .comm import Decomposition, DomainparError, HaloExchange, LayoutError, Mism
 if TYPE_CHECKING:
     from . import balance as balance
     from . import io as io
+    from . import nn as nn
     from . import points as points
     from .balance import Balancer
     from .nn import DomainParallel, sharded_factories
@@ -31,7 +32,7 @@ _TORCH_NAMES = {"DomainTensor": "tensor", "UnsupportedOpError": "tensor",
                 # opt_einsum's backend protocol for arrays of this package (ops/interop.py)
                 "einsum": "ops.interop", "tensordot": "ops.interop", "transpose": "ops.interop"}
 # torch-level subpackages reachable as attributes (``dp.io``).
-_TORCH_MODULES = ("io", "balance", "points")
+_TORCH_MODULES = ("io", "balance", "points", "nn")
 
 
 def __getattr__(name: str) -> Any:

@@ -62,6 +62,7 @@ from ..comm.grid import ProcessGrid
 from ..tensor import params as domain_params
 from ..tensor.dispatch import UnsupportedOpError
 from .factories import ShardedFactories
+from .fusion import fuse_for
 
 
 class DomainParallel(torch.nn.Module):
@@ -89,6 +90,12 @@ class DomainParallel(torch.nn.Module):
         Run the forward inside ``dp.sharded_factories()``, so that a buffer made
         by ``torch.zeros(...)`` (and the like) takes a layout when a DomainTensor
         is written into it (``nn/factories.py``); False leaves every factory plain.
+    fuse_halos : bool, optional
+        Halo fusion (``nn/fusion.py``, docs/fusion.md): every ``nn.Sequential``
+        of two or more convs with only pointwise modules between them exchanges
+        one halo as wide as its combined reach, not one per conv (where its
+        input cannot fuse, it runs unfused). Marks the module's chains in place.
+        None (the default) reads ``DOMAINPAR_FUSE_HALOS`` (``1``: on; unset: off).
 
     Notes
     -----
@@ -102,12 +109,13 @@ class DomainParallel(torch.nn.Module):
 
     def __init__(self, module: torch.nn.Module, grid: ProcessGrid, *,
                  bucket_cap_mb: float = 25.0, overlap: bool = True,
-                 sharded_factories: bool = True):
+                 sharded_factories: bool = True, fuse_halos: bool | None = None):
         super().__init__()
         self.module = module
         self.grid = grid
         self._factories = sharded_factories
         _agree_structure(module, grid.comm)
+        self.fused_chains = fuse_for(module, fuse_halos, grid.comm)
         with torch.no_grad():
             for t in itertools.chain(module.parameters(), module.buffers()):
                 _broadcast_in_place(t, grid.comm)
