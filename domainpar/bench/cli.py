@@ -308,7 +308,7 @@ def add_parser(subparsers) -> None:
                          help="the field's side S: strong scaling's global field is "
                               "1x2xSxSxS (unet3d) or 1x1xSxS (vit2d, fno2d), weak scaling's "
                               "block per rank is that field with S/2 along dim 2 (default: "
-                              "64 for unet3d, 256 for vit2d and fno2d)")
+                              "64 for unet3d, 256 for vit2d, 512 for fno2d)")
     scaling.add_argument("--strong-shape", type=positive(int), nargs="+", default=None,
                          metavar="EXTENT",
                          help="strong scaling's global field instead: N C D H W (unet3d) or "

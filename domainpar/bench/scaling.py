@@ -13,7 +13,7 @@ N x C x H x W), in ``DomainParallel``, float32, on a field sharded along dim 2
   ``torch.no_grad``: no loss, no backward (the latency case for strong scaling).
 
 - strong scaling: a fixed global field (default side 64 for unet3d, 256 for
-  the 2-D models; ``--side`` or ``--strong-shape``) on 1 .. N ranks; speedup
+  vit2d, 512 for fno2d; ``--side`` or ``--strong-shape``) on 1 .. N ranks; speedup
   ``T1 / Tn``, efficiency ``T1 / (n * Tn)``;
 - weak scaling: a fixed block per rank (default half the strong field along
   dim 2, so that 2 ranks hold the strong field; the global extent along dim 2
@@ -43,7 +43,7 @@ from typing import Any
 from .step import MODELS
 
 SHARDED_DIM = 2
-DEFAULT_SIDES = {"unet3d": 64, "vit2d": 256, "fno2d": 256}
+DEFAULT_SIDES = {"unet3d": 64, "vit2d": 256, "fno2d": 512}
 CHANNELS = {"unet3d": 2, "vit2d": 1, "fno2d": 1}
 SPATIAL_DIMS = {"unet3d": 3, "vit2d": 2, "fno2d": 2}
 DEFAULT_STRONG_SHAPE = (1, 2, 64, 64, 64)
