@@ -1,0 +1,149 @@
+"""The per-op plan cache (``domainpar.tensor.layout.planned``, DOMAINPAR_PLAN_CACHE):
+a repeated call derives nothing (it hits), and results with the cache on equal
+those with it off and those of one process, for calls whose layouts differ
+only in what a plan's key must hold: block sizes (even, uneven, zero-size)
+of operands of one global shape, grids, broadcast shapes, reduction dims and
+keepdim. The MPI tests run on 1-4 ranks and 1-, 2- and 3-D grids."""
+import pytest
+import torch
+from mpi4py import MPI
+
+import domainpar as dp
+from domainpar.bench import settings
+from domainpar.tensor import layout as plans
+from domainpar.testing import assert_matches_single_process, check_on_every_rank
+from tensor_cases import CASES, global_tensor, layout, sizes_for
+
+SHAPE = (2, 3, 7, 6)      # N, C, H, W
+SHARD_DIMS = (2, 3, 1)    # H on grid axis 0, W on axis 1, C on axis 2 (3-D grids)
+FIELD = global_tensor((SHAPE[2], 1), seed=8)  # a plain (H, 1) tensor broadcast against x
+
+
+@pytest.fixture(autouse=True)
+def _restore_switch():
+    """Each test leaves the plan cache switched as it found it."""
+    was = plans.ENABLED
+    yield
+    plans.set_plan_cache(was)
+
+
+def _other_sizes(grid, shard, kind):
+    """Block sizes other than ``kind``'s for the sharded dims (None: balanced)."""
+    other = "uneven" if kind != "uneven" else "zero"
+    sizes = {d: sizes_for(SHAPE[d], grid.dims[a], other, seed=5) for d, a in shard.items()}
+    return {d: s for d, s in sizes.items() if s is not None} or None
+
+
+def mixed(a, b):
+    """Elementwise ops whose output layout is a's, then b's (the operand of more
+    dims leads, the first of equal ones), reductions over several dims with and
+    without keepdim, a broadcast plain tensor and an in-place write."""
+    field = FIELD.to(a.dtype)
+    y = a + b * 2 - torch.tanh(a * b)          # a's layout, b repartitioned
+    z = b - a + field                          # b's layout, a repartitioned
+    y = y + y.mean(dim=2, keepdim=True) + y.sum(dim=(2, 3), keepdim=True)
+    z = z * z.mean(dim=3, keepdim=True) - z.amax(dim=1, keepdim=True)
+    y.add_(z)                                  # in place on a's layout
+    s = y.sum(dim=2) + z.sum(dim=2)            # keepdim=False: 3-D results
+    return y * 0.5 + z.mean() + s.sum(dim=-1, keepdim=True).unsqueeze(-1)
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("grid_ndim,kind", CASES)
+def test_cache_on_and_off_match_one_process(grid_ndim, kind):
+    """Operands of one global shape cut at other boundaries: a plan made for one
+    pair of layouts never serves the other (the keys hold the block sizes)."""
+    grid, shard, sizes = layout(SHAPE, SHARD_DIMS, grid_ndim, kind)
+    a, b = global_tensor(SHAPE, seed=1), global_tensor(SHAPE, seed=2)
+    for on in (True, False):
+        plans.set_plan_cache(on)
+        assert_matches_single_process(mixed, (a, b), grid, [shard, shard],
+                                      sizes=[sizes, _other_sizes(grid, shard, kind)])
+        assert_matches_single_process(mixed, (a, b), grid, [shard, shard],
+                                      sizes=[_other_sizes(grid, shard, kind), sizes])
+
+
+def _run(fn, a, b, grid, shard, sizes_a, sizes_b):
+    """``fn``'s output block and the inputs' gradient blocks, on this rank."""
+    x, y = (dp.DomainTensor(t[dec.local_slices()].clone().requires_grad_(), dec)
+            for t, dec in ((a, dp.Decomposition(SHAPE, grid, shard, sizes_a)),
+                           (b, dp.Decomposition(SHAPE, grid, shard, sizes_b))))
+    out = fn(x, y)
+    out.sum().backward()
+    return [out.to_local().detach(), x.grad.to_local(), y.grad.to_local()]
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("grid_ndim,kind", CASES)
+def test_second_call_hits_and_gives_the_same_bits(grid_ndim, kind):
+    """A repeated step makes no plan (misses stay, hits grow) and its blocks are
+    bitwise those of the first step and of a step with the cache off."""
+    grid, shard, sizes = layout(SHAPE, SHARD_DIMS, grid_ndim, kind)
+    a, b = global_tensor(SHAPE, seed=3), global_tensor(SHAPE, seed=4)
+    other = _other_sizes(grid, shard, kind)
+    plans.set_plan_cache(True)
+    plans.clear_plan_cache()
+    first = _run(mixed, a, b, grid, shard, sizes, other)
+    made = plans.plan_cache_stats()
+    second = _run(mixed, a, b, grid, shard, sizes, other)
+    again = plans.plan_cache_stats()
+    plans.set_plan_cache(False)
+    off = _run(mixed, a, b, grid, shard, sizes, other)
+    check_on_every_rank(made["misses"] > 0 and made["size"] > 0, "the first step makes plans")
+    check_on_every_rank(again["misses"] == made["misses"], f"a repeated step makes no plan: "
+                        f"{made} then {again}")
+    check_on_every_rank(again["hits"] - made["hits"] >= made["misses"],
+                        f"a repeated step finds every plan: {made} then {again}")
+    check_on_every_rank(plans.plan_cache_stats() == {**again, "enabled": 0},
+                        "with the cache off nothing counts")
+    same = all(torch.equal(p, q) and torch.equal(p, r) for p, q, r in zip(first, second, off))
+    check_on_every_rank(same, "cache on (made, then hit) and off give the same blocks")
+
+
+@pytest.mark.mpi
+def test_grids_of_one_shape_do_not_share_plans():
+    """One global shape and shard map on two grids of the same processes (1-D and
+    2-D): the derived layouts differ by grid, and each op's results are one
+    process's."""
+    a, b = global_tensor(SHAPE, seed=5), global_tensor(SHAPE, seed=6)
+    plans.set_plan_cache(True)
+    for grid_ndim in (1, 2, 1):  # the 1-D grid again: it finds its own plans
+        grid, shard, sizes = layout(SHAPE, SHARD_DIMS, grid_ndim, "uneven")
+        assert_matches_single_process(mixed, (a, b), grid, [shard, shard],
+                                      sizes=[sizes, _other_sizes(grid, shard, "uneven")])
+
+
+def test_derive_shares_equal_requests_only():
+    """Local. Equal requests share one Decomposition with the cache on; shape,
+    grid, shard map and sizes each give another one; off, each call makes its own."""
+    g1, g2 = (dp.ProcessGrid(d, comm=MPI.COMM_SELF) for d in ((1,), (1, 1)))
+    like = dp.Decomposition((4, 5), g1, {0: 0}, check=False)
+    plans.set_plan_cache(True)
+    one = plans.derive(like, (4, 5), {0: 0}, {0: [4]})
+    assert plans.derive(like, (4, 5), {0: 0}, {0: (4,)}) is one
+    others = [plans.derive(like, (4, 6), {0: 0}), plans.derive(like, (4, 5), {0: 0}, grid=g2),
+              plans.derive(like, (4, 5), {1: 0}), plans.derive(like, (4, 5), {})]
+    assert all(o is not one and o != one for o in others)
+    assert [o.global_shape for o in others] == [(4, 6), (4, 5), (4, 5), (4, 5)]
+    assert others[1].grid is g2 and others[2].shard == {1: 0} and others[3].shard == {}
+    plans.set_plan_cache(False)
+    fresh = plans.derive(like, (4, 5), {0: 0}, {0: [4]})
+    assert fresh is not one and fresh == one
+
+
+def test_switch_and_compare_setting():
+    """Local. ``bench ... --compare DOMAINPAR_PLAN_CACHE=0`` switches the cache off
+    inside its samples only; off, calls neither make nor find plans."""
+    plans.set_plan_cache(True)
+    grid = dp.ProcessGrid((1,), comm=MPI.COMM_SELF)
+    x = dp.DomainTensor(torch.ones(2, 3), dp.Decomposition((2, 3), grid, {1: 0}, check=False))
+    x + 1
+    with settings.applied({"DOMAINPAR_PLAN_CACHE": "0"}):
+        assert not plans.ENABLED
+        before = plans.plan_cache_stats()
+        assert torch.equal((x + 1).to_local(), torch.full((2, 3), 2.0))
+        assert plans.plan_cache_stats() == before
+    assert plans.ENABLED
+    hits = plans.plan_cache_stats()["hits"]
+    x + 1
+    assert plans.plan_cache_stats()["hits"] > hits
