@@ -69,6 +69,9 @@ KEYS: dict[str, tuple[str, tuple[str, ...] | Callable[[str], bool],
     "DOMAINPAR_IO": ("HDF5 driver", ("auto", "mpio", "serial"), lambda value: None),
     "DOMAINPAR_PLAN_CACHE": ("per-op plan cache and dispatch fast paths on (1) or off (0)",
                              ("0", "1"), _plan_cache),
+    # read by DomainParallel when it is built (in the job's environment)
+    "DOMAINPAR_FUSE_HALOS": ("halo fusion of conv chains in DomainParallel on (1) or off (0)",
+                             ("0", "1"), lambda value: None),
     "OMP_NUM_THREADS": ("torch threads per rank", _positive_int, _threads),
 }
 
