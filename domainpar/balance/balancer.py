@@ -6,7 +6,10 @@ wall time less the time it spent blocked in domainpar's communication
 allreduce gives every rank every rank's measurement; each rank then smooths
 them the same way (an exponential moving average of the seconds per cell) and
 computes the same new sizes from the same numbers, so they agree without a
-decision message (the new Decomposition's construction checks it). The layout
+decision message (the new Decomposition's construction checks it). After a
+move, each rank's step is fitted as a fixed part plus a part per cell through
+its two layouts' times (``sizes.affine_fit``), and the next sizes equalise
+those predicted times. The layout
 moves only when the predicted step time drops by more than ``threshold`` and
 by more than the measurements' own noise allows (``margin``: hysteresis, so
 noisy measurements do not make it oscillate). The data follow

@@ -386,14 +386,14 @@ def _add_balance(bench_sub) -> None:
     _add_nprocs(balance)
     balance.add_argument("--cases", nargs="+", choices=["grid", "points"],
                          default=["grid", "points"], help="cases (default: both)")
-    balance.add_argument("--side", type=positive(int), default=256,
-                         help="grid case: H = W of the (1, C, H, W) field (default 256)")
+    balance.add_argument("--side", type=positive(int), default=512,
+                         help="grid case: H = W of the (1, C, H, W) field (default 512)")
     balance.add_argument("--channels", type=positive(int), default=16,
                          help="channels C (grid) or features per point (default 16)")
     balance.add_argument("--layers", type=positive(int), default=4,
                          help="conv layers (grid) or MLP layers (points) (default 4)")
-    balance.add_argument("--points", type=positive(int), default=100_000,
-                         help="points case: points (default 100000)")
+    balance.add_argument("--points", type=positive(int), default=400_000,
+                         help="points case: points (default 400000)")
     balance.add_argument("--cluster", type=float, default=0.7,
                          help="points case: fraction of the points in one small ball "
                               "(default 0.7)")
