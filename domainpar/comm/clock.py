@@ -12,7 +12,9 @@ is two reads of each clock per call.
 
 ``observing`` is the public hook for benchmarks that need more than the total:
 it runs each outermost call inside a context manager of theirs, named after the
-call (``HaloExchange.fill``), to time it or label it for a profiler, and
+call (``HaloExchange.fill``), to time it or label it for a profiler (the
+calls that start nonblocking work, ``starting``, too, their time not counted
+as blocked), and
 with ``arguments=True`` given the call's arguments too (the layout it was
 given: ``domainpar model`` counts the bytes of every exchange from them). This
 module is the one place that hooks into communication calls; benchmarks never
@@ -87,6 +89,17 @@ def _observed(name: str, args: tuple[object, ...],
 def blocking(fn: Callable[_P, _R]) -> Callable[_P, _R]:
     """Local. Decorator: count ``fn``'s wall and CPU time into ``blocked_seconds``
     (and run it inside the ``observing`` observers)."""
+    return _wrapped(fn, counted=True)
+
+
+def starting(fn: Callable[_P, _R]) -> Callable[_P, _R]:
+    """Local. Decorator for a call that starts nonblocking communication (its
+    wait is ``blocking``): run inside the ``observing`` observers like a
+    blocking call, its time not counted as blocked."""
+    return _wrapped(fn, counted=False)
+
+
+def _wrapped(fn: Callable[_P, _R], counted: bool) -> Callable[_P, _R]:
     name = fn.__qualname__
 
     @functools.wraps(fn)
@@ -102,8 +115,9 @@ def blocking(fn: Callable[_P, _R]) -> Callable[_P, _R]:
         finally:
             took, took_cpu = time.perf_counter() - start, time.process_time() - start_cpu
             _local.depth = 0
-            with _lock:
-                _total[0] += took
-                _total[1] += 1
-                _total[2] += took_cpu
+            if counted:
+                with _lock:
+                    _total[0] += took
+                    _total[1] += 1
+                    _total[2] += took_cpu
     return timed

@@ -18,7 +18,7 @@ from mpi4py import MPI
 
 from . import buffers, packing, runtime
 from .buffers import Array
-from .clock import blocking
+from .clock import blocking, starting
 from .decomposition import Decomposition
 from .errors import LayoutError, agree, signature_of
 
@@ -198,6 +198,7 @@ class PendingReduction:
             _copy_back(self._wire, self._arr)
 
 
+@starting
 def iallreduce(a: Any, comm: MPI.Comm, op: str = "sum") -> PendingReduction:
     """Nonblocking collective over ``comm``. Start reducing the C-contiguous array
     ``a`` in place with ``op``; the result is there after ``wait()``. For hot
@@ -459,6 +460,7 @@ def _bytes_of(arr: Array) -> BufSpec:
     return [arr.reshape(-1).view(np.uint8), MPI.BYTE]
 
 
+@starting
 def ring_shift(send: Sequence[Any], recv: Sequence[Any], comm: MPI.Comm, shift: int = 1,
                tag: int = RING_TAG) -> PendingShift:
     """Nonblocking pairwise collective over ``comm`` (1-D: one grid axis, ranks in

@@ -1,10 +1,11 @@
 """The time model's communication: what a training step sends, recorded from
 the ops themselves, and the same counts evaluated on any other grid.
 
-``record()`` instruments the comm layer for the length of a ``with`` block:
-``HaloExchange.fill`` / ``accumulate`` and the collectives the upper layers
-call through ``domainpar.comm.collectives`` (allreduce, iallreduce,
-repartition, ring shifts, gathers, broadcasts). Each call becomes an
+``record()`` observes the comm layer for the length of a ``with`` block,
+through its public hook ``comm.clock.observing`` (no method is patched):
+``HaloExchange.fill`` / ``accumulate``, the collectives (allreduce,
+iallreduce, repartition, ring shifts, gathers, broadcasts), ``agree`` and
+DomainParallel's polled agreement. Each call becomes an
 ``Event`` holding the layout the op passed (global shape, shard map, halo
 widths, wraps, bytes per element) and the bytes and messages this rank really
 exchanged in it (read off the exchange's own plan: the halo's receive boxes,
@@ -26,11 +27,10 @@ import time
 from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 
-# The collectives a step may call, by how the model prices them.
+# The collectives a step may call, by how the model prices them (the rest: rooted).
 _REDUCE = ("allreduce", "iallreduce")
 _MOVE = ("repartition",)
 _RING = ("ring_shift", "mirror_exchange")
-_ROOTED = ("bcast", "allgatherv", "gatherv", "scatterv")
 
 
 @dataclass
@@ -75,71 +75,82 @@ class Event:
 
 
 # -- recording (real calls) --------------------------------------------------------------------
+# Each observed call's parameters by position (``comm.clock.observing`` hands
+# over the arguments as passed).
+_PARAMS = {"allreduce": ("a", "comm"), "iallreduce": ("a", "comm"),
+           "bcast": ("a", "comm"), "allgatherv": ("block", "dec"),
+           "gatherv": ("block", "dec"), "scatterv": ("global_array", "dec"),
+           "repartition": ("block", "src", "dst"),
+           "ring_shift": ("send", "recv", "comm", "shift", "tag"),
+           "mirror_exchange": ("send", "recv", "comm"),
+           "HaloExchange.fill": ("halo", "a"), "HaloExchange.accumulate": ("halo", "a"),
+           "agree": ("comm", "problem"), "completes_within": ("request", "limit")}
+
+
 @contextlib.contextmanager
 def record() -> Iterator[list[Event]]:
-    """Local. Within the block, every halo exchange and collective this process
-    calls is appended to the yielded list with its wall time (the calls
-    themselves run as usual; a nonblocking one's time is its start's, a ring
-    shift's its start's and its wait's, the wait seen through
-    ``comm.clock.observing``)."""
-    from ..comm import clock, collectives
-    from ..comm.halo import HaloExchange
+    """Local. Within the block, every outermost halo exchange and collective this
+    process calls (``comm.clock.observing``, with the calls' arguments) is
+    appended to the yielded list with its wall time (the calls run as usual; a
+    nonblocking one's time is its start's)."""
+    from ..comm import clock
     events: list[Event] = []
-    saved = {name: getattr(collectives, name)
-             for name in _REDUCE + _MOVE + _RING + _ROOTED}
-    # The halo methods patched, each with whether it is the adjoint; patched
-    # by name like the collectives (mypy refuses assigning to a method).
-    halo_methods = {"fill": False, "accumulate": True}
-    saved_halo = {name: getattr(HaloExchange, name) for name in halo_methods}
-
-    def timed(event, call):
-        t0 = time.perf_counter()
-        out = call()
-        event.seconds = time.perf_counter() - t0
-        events.append(event)
-        return out
-
-    def halo_method(method, adjoint):
-        def wrapped(self, a, **kw):
-            return timed(_halo_event(self, a, adjoint), lambda: method(self, a, **kw))
-        return wrapped
-
-    pending: dict[int, Event] = {}  # started ring shifts -> their events
-
-    def collective(name, fn):
-        def wrapped(*args, **kw):
-            event = _collective_event(name, args, kw)
-            out = timed(event, lambda: fn(*args, **kw))
-            if name == "ring_shift":
-                pending[id(out)] = event
-            return out
-        return wrapped
 
     @contextlib.contextmanager
     def observed(name, args, kwargs):
-        """A ring shift's wait, added to its start's event; a polled agreement
-        (DomainParallel's per-step check), an event of its own."""
-        event = pending.pop(id(args[0]), None) if name == "PendingShift.wait" else None
-        if name == "completes_within":
-            event = Event("poll", name, ranks=_world_size())
-            events.append(event)
+        params = _PARAMS.get(name)
+        event = None if params is None else _event(name, {**dict(zip(params, args)), **kwargs})
         t0 = time.perf_counter()
         yield
         if event is not None:
-            event.seconds += time.perf_counter() - t0
+            event.seconds = time.perf_counter() - t0
+            events.append(event)
 
-    for name, adjoint in halo_methods.items():
-        setattr(HaloExchange, name, halo_method(saved_halo[name], adjoint))
-    for name, fn in saved.items():
-        setattr(collectives, name, collective(name, fn))
-    try:
-        with clock.observing(observed, arguments=True):
-            yield events
-    finally:
-        for name, method in saved_halo.items():
-            setattr(HaloExchange, name, method)
-        for name, fn in saved.items():
-            setattr(collectives, name, fn)
+    with clock.observing(observed, arguments=True):
+        yield events
+
+
+def _event(name: str, call: dict) -> Event:
+    """The event of one observed call, from its arguments."""
+    from ..comm import buffers
+    if name.startswith("HaloExchange."):
+        return _halo_event(call["halo"], call["a"], name.endswith("accumulate"))
+    if name == "agree":  # three int64s: the error flag and a signature, both ways
+        size = call["comm"].Get_size()
+        return Event("allreduce", name, 8, (3,), ranks=size, nbytes=24 if size > 1 else 0,
+                     messages=int(size > 1))
+    if name == "completes_within":  # a polled nonblocking agreement (DomainParallel's)
+        return Event("poll", name, ranks=_world_size())
+    if name in _RING:
+        return _ring_event(name, call)
+    arr = buffers.as_array(call.get("a", call.get("block", call.get("global_array"))))
+    if name in _REDUCE:
+        comm = call["comm"]
+        return Event("allreduce", name, arr.dtype.itemsize, tuple(arr.shape),
+                     ranks=comm.Get_size(), nbytes=int(arr.nbytes),
+                     messages=int(comm.Get_size() > 1 and arr.size > 0))
+    if name in _MOVE:
+        return _repartition_event(arr, call["src"], call["dst"])
+    if name == "bcast":
+        ranks = call["comm"].Get_size()
+        return Event("rooted", name, arr.dtype.itemsize, tuple(arr.shape), ranks=ranks,
+                     nbytes=int(arr.nbytes) if ranks > 1 else 0, messages=int(ranks > 1))
+    dec = call["dec"]
+    whole = math.prod(dec.global_shape) * arr.dtype.itemsize
+    ranks = dec.grid.size
+    return Event("rooted", name, arr.dtype.itemsize, tuple(dec.global_shape), dict(dec.shard),
+                 sizes=_sizes(dec), ranks=ranks, nbytes=int(whole - arr.nbytes),
+                 messages=(ranks - 1) if whole > arr.nbytes else 0)
+
+
+def _ring_event(name: str, call: dict) -> Event:
+    from ..comm import buffers, collectives
+    sends = call["send"] if isinstance(call["send"], (list, tuple)) else [call["send"]]
+    nbytes = sum(int(buffers.as_array(s).nbytes) for s in sends)
+    size = call["comm"].Get_size()
+    return Event("ring", name, ranks=size, nbytes=nbytes if size > 1 else 0,
+                 messages=len(sends) if size > 1 else 0,
+                 hops=_pass_hops(name, call.get("tag", collectives.RING_TAG)))
 
 
 def _world_size() -> int:
@@ -161,36 +172,6 @@ def _halo_event(halo, a, adjoint: bool) -> Event:
 
 def _sizes(dec) -> dict:
     return {d: list(dec.block_sizes(d)) for d in dec.shard}
-
-
-def _collective_event(name: str, args, kw) -> Event:
-    from ..comm import buffers, collectives
-    if name in _RING:
-        sends = args[0] if isinstance(args[0], (list, tuple)) else [args[0]]
-        comm = args[2]
-        nbytes = sum(int(buffers.as_array(s).nbytes) for s in sends)
-        size = comm.Get_size()
-        tag = kw.get("tag", args[4] if len(args) > 4 else collectives.RING_TAG)
-        return Event("ring", name, ranks=size, nbytes=nbytes if size > 1 else 0,
-                     messages=len(sends) if size > 1 else 0, hops=_pass_hops(name, tag))
-    arr = buffers.as_array(args[0])
-    if name in _REDUCE:
-        comm = args[1]
-        return Event("allreduce", name, arr.dtype.itemsize, tuple(arr.shape),
-                     ranks=comm.Get_size(), nbytes=int(arr.nbytes),
-                     messages=int(comm.Get_size() > 1 and arr.size > 0))
-    if name in _MOVE:
-        return _repartition_event(arr, args[1], args[2])
-    if name == "bcast":
-        ranks = args[1].Get_size()
-        return Event("rooted", name, arr.dtype.itemsize, tuple(arr.shape), ranks=ranks,
-                     nbytes=int(arr.nbytes) if ranks > 1 else 0, messages=int(ranks > 1))
-    dec = args[1]
-    whole = math.prod(dec.global_shape) * arr.dtype.itemsize
-    ranks = dec.grid.size
-    return Event("rooted", name, arr.dtype.itemsize, tuple(dec.global_shape), dict(dec.shard),
-                 sizes=_sizes(dec), ranks=ranks, nbytes=int(whole - arr.nbytes),
-                 messages=(ranks - 1) if whole > arr.nbytes else 0)
 
 
 def _pass_hops(name: str, tag: int) -> int:

@@ -5,7 +5,8 @@ under mpiexec (``domainpar model`` starts them), each writing JSON on rank 0:
   along the first shardable dim, after a warm-up step, with ``comms.record``
   on: every halo exchange and collective with its layout and counted bytes,
   and last an ``attention`` event (``timeattn.counting``: the step's attention
-  kernels' work and time, of the rank with the most);
+  kernels' work, the most of any rank, and their time at the least seconds
+  per unit of work of any rank);
 - ``steps``: measured step times of each model (forward, backward, SGD step),
   the models interleaved round-robin so that a shared machine's slow spells
   hit all alike; per sample the slowest rank's time;
@@ -70,9 +71,12 @@ def trace(specs: list[dict], comm, steps: int = 5) -> dict:
                 _step(model, x, opt)
             with counting() as tally:  # apart: the dispatch mode slows every op
                 _step(model, x, opt)
-            # The rank with the most work (causal attention's last): Python's
-            # max of the (work, seconds) pairs.
-            tally.work, tally.seconds = comm.allreduce((tally.work, tally.seconds), op=MPI.MAX)
+            # The most work of any rank (causal attention's last), at the least
+            # seconds per unit of work of any rank (a slowed kernel only adds).
+            rate = tally.seconds / tally.work if tally.work else float("inf")
+            tally.work = comm.allreduce(tally.work, op=MPI.MAX)
+            rate = comm.allreduce(rate, op=MPI.MIN)
+            tally.seconds = tally.work * rate if tally.work else 0.0
             runs.append(events + [tally.event(comm.Get_size())])
         for i, e in enumerate(runs[0]):
             e.seconds = float(min(r[i].seconds for r in runs))
