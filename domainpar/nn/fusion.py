@@ -371,18 +371,36 @@ def _pointwise(module: torch.nn.Module, step: _Step, env: list) -> tuple:
 
 # -- marking modules ---------------------------------------------------------------------
 def fused(module: torch.nn.Module, *, strict: bool = True) -> torch.nn.Module:
-    """Local (the trace; its forward is a neighbour-wise collective). Mark
-    ``module`` for halo fusion and return it (the same object: parameter names,
-    state dict and type unchanged). On a DomainTensor its forward then fills one
-    halo as wide as the chain's reach and computes the ghost rings redundantly
-    (module docstring); on anything else it is the module's own forward.
+    """Local (the trace; the marked forward is a neighbour-wise collective). Mark
+    ``module`` for halo fusion: on a DomainTensor its forward fills one halo as
+    wide as the chain's combined reach and computes the ghost rings redundantly
+    (docs/fusion.md); on anything else it is the module's own forward.
 
-    Raises UnsupportedOpError (the same on every rank: it depends on the module
-    and the input's layout only) for what cannot fuse: here for the module, at
-    forward for the input (a sharded channel dim, a conv that does not keep the
-    size of a sharded dim, reflect or replicate padding along one, dropout in
-    training mode). With ``strict=False`` the forward runs the module unfused
-    instead, where its input makes it unfusable (DomainParallel's ``fuse_halos``).
+    Parameters
+    ----------
+    module : torch.nn.Module
+        Traceable by ``torch.fx``: one tensor input and output; stride-1 convs
+        that keep the size of the sharded dims, pointwise modules, functions
+        and methods (residual adds included).
+    strict : bool, default True
+        Refuse an input the chain cannot fuse on (below); False runs the module
+        unfused on it instead (DomainParallel's ``fuse_halos``).
+
+    Returns
+    -------
+    torch.nn.Module
+        ``module`` itself, marked in place: its type, parameter names and
+        state dict are unchanged.
+
+    Raises
+    ------
+    UnsupportedOpError
+        The same on every rank (it depends on the module and the input's layout
+        only): here for a module that does not trace or holds anything else
+        (norms, pooling, strides, transposed convs); at forward for a sharded
+        channel dim, a conv that changes the size of a sharded dim, reflect,
+        replicate or mixed zero and circular padding along one, dropout in
+        training mode.
     """
     return _mark(module, trace(module), strict)
 
