@@ -35,6 +35,7 @@ from domainpar.plan.timereport import (
     VALIDATION_MODELS,
     _cubic,
     load_warning,
+    others_running,
     validation_models,
     validation_table,
 )
@@ -191,14 +192,16 @@ def test_the_compute_fit_leaves_the_attention_kernels_out():
 
 
 def test_validation_reports_load_median_and_fastest():
-    assert load_warning("5.36 3.1 2.0", cores=2).startswith("warning: load average 5.36 > 2")
-    assert load_warning("1.5 3.1 2.0", cores=2) is None and load_warning("n/a", 2) is None
+    warning = load_warning("5.36 3.1 2.0 4/120", cores=2)
+    assert warning.startswith("warning: load average 5.36 > 2 cores, 3 other threads runnable")
+    assert load_warning("1.5 3.1 2.0 1/99", cores=2) is None and load_warning("n/a", 2) is None
+    assert others_running("1.5 3.1 2.0 1/99") == 0 and others_running("n/a") is None
     row = {"model": "ViT", "ranks": 2, "transport": "default", "predicted_s": 0.012,
            "measured_s": 0.016, "error": -0.25, "fastest_s": 0.010, "error_fastest": 0.2,
-           "load": 3.5}
+           "load": 3.5, "others_running": 7}
     table = validation_table([row])
     assert "| ViT   | 2     | shm" in table and "12 ms" in table and "+20%" in table
-    assert "3.5" in table
+    assert "| 3.5  | 7 " in table
     assert [m["name"] for m in validation_models(["FNO"])] == ["FNO"]
     with pytest.raises(ValueError, match="choose from"):
         validation_models(["GPT"])

@@ -11,23 +11,27 @@ DESCRIPTION = """\
 Predict a model's training step time at P ranks on a process grid, and check
 the prediction against measured steps.
 
-  step = compute(block) x rate + sum over the step's communication events
+  step = compute(block) x rate + attention + sum over the step's communication events
 
 compute: a training step (forward, backward, SGD) timed in this process on
-scaled-down blocks over a one-rank grid, one torch thread, fitted to
-a + b*cells + c*faces of the block (the memory plan's method). The events:
-one step of the model traced on 2 ranks with the comm layer instrumented
-(every halo exchange, allreduce, transpose, ring shift, gather, with its
-layout), then re-counted for the target grid from the layouts (halo bytes and
-neighbours per round, allreduce sizes, transposes' bytes and peers). A
-network is a latency and a bandwidth: measured here over shared memory or
-Open MPI's TCP on loopback (`--profile default|tcp`), an entered cluster
-profile (cpu-cluster, gpu-cluster), or --latency/--bandwidth. --rate scales
-the measured compute for other hardware. Ranks beyond a node's cores share
-them (--cores). docs/scaling.md has the validation and the assumptions.
+scaled-down blocks over a one-rank grid, one torch thread, less its attention
+kernels, fitted to a + b*cells + c*faces of the block (the memory plan's
+method). attention: the work of the traced step's attention kernels (queries
+x keys: N^2/P per rank under ring attention) at their measured seconds per
+unit of work. The events: one step of the model traced on 2 ranks with the
+comm layer observed (every halo exchange, allreduce, transpose, ring shift,
+gather, with its layout), then re-counted for the target grid from the
+layouts (halo bytes and neighbours per round, allreduce sizes, transposes'
+bytes and peers, ring passes of P - 1 or P shifts). A network is a latency
+and a bandwidth: measured here over shared memory or Open MPI's TCP on
+loopback (`--profile default|tcp`), an entered cluster profile (cpu-cluster,
+gpu-cluster), or --latency/--bandwidth. --rate scales the measured compute
+for other hardware. Ranks beyond a node's cores share them (--cores).
+docs/scaling.md has the validation and the assumptions.
 
   domainpar model predict ENTRY --shape ... --ranks 1 8 64   one model
   domainpar model validate    UNet3d, ViT, FNO at 1-4 ranks: predicted vs measured
+                              (median and fastest sample, load average per launch)
   domainpar model project     UNet3d 256^3-1024^3, 1-1,024 ranks, CPU and GPU clusters"""
 
 

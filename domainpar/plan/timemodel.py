@@ -1,6 +1,6 @@
 """The time model: a training step's time at P ranks on a grid,
 
-    step = oversubscription x (compute(block) + sum over events of comm(event))
+    step = oversubscription x (compute(block) + attention + sum over events of comm(event))
 
 - ``compute(block) = a + b * cells (+ c * faces)``: the step's time on one
   rank's block, fitted (``model.fit``) to steps measured in one process on

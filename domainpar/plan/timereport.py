@@ -33,11 +33,22 @@ MAX_RANKS = 1024
 
 
 def loadavg() -> str:
-    """Local. The 1, 5 and 15 minute load averages (Linux), or "n/a"."""
+    """Local. The 1, 5 and 15 minute load averages and the runnable / all
+    threads now (Linux ``/proc/loadavg``), or "n/a"."""
     try:
-        return " ".join(Path("/proc/loadavg").read_text().split()[:3])
+        return " ".join(Path("/proc/loadavg").read_text().split()[:4])
     except OSError:
         return "n/a"
+
+
+def others_running(avg: str) -> int | None:
+    """Local. How many other threads were runnable when ``avg`` was read (less
+    the reader itself): between launches this process is our only one, so,
+    unlike the load average, it holds none of our earlier launches' ranks."""
+    try:
+        return max(0, int(avg.split()[3].split("/")[0]) - 1)
+    except (ValueError, IndexError):
+        return None
 
 
 def one_minute_load(avg: str) -> float | None:
@@ -55,8 +66,11 @@ def load_warning(avg: str, cores: int | None = None) -> str | None:
     load = one_minute_load(avg)
     if load is None or load <= cores:
         return None
-    return (f"warning: load average {load:g} > {cores} cores: other processes held the "
-            "cores during this launch; its timings are disturbed")
+    running = others_running(avg)
+    now = "" if running is None else f", {running} other threads runnable at the start"
+    return (f"warning: load average {load:g} > {cores} cores{now}: other processes held the "
+            "cores around this launch (the average includes our previous launches' ranks); "
+            "its timings are disturbed")
 
 
 def validation_models(names=None) -> list[dict]:
@@ -115,10 +129,12 @@ def validate(ranks=(1, 2, 3, 4), transports=("default", "tcp"), rounds: int = 2,
                 meas, fastest = statistics.median(times), min(times)
                 peak = max((one_minute_load(a) or 0.0 for a in launch_loads[(p, t)]),
                            default=0.0)
+                running = max((others_running(a) or 0 for a in launch_loads[(p, t)]), default=0)
                 rows.append({"model": m["name"], "ranks": p, "transport": t,
                              "predicted_s": pred["step"], "measured_s": meas,
                              "error": pred["step"] / meas - 1, "fastest_s": fastest,
                              "error_fastest": pred["step"] / fastest - 1, "load": peak,
+                             "others_running": running,
                              "breakdown": pred, "samples": times})
     result = {"models": models, "networks": {t: n.as_dict() for t, n in networks.items()},
               "compute": {k: {"coef": list(c.coef), "points": pts}
@@ -129,20 +145,23 @@ def validate(ranks=(1, 2, 3, 4), transports=("default", "tcp"), rounds: int = 2,
     loaded = sum(1 for a in loads if (one_minute_load(a) or 0.0) > cores)
     if loaded:
         print(f"warning: {loaded} of {len(loads)} launches ran with a load average above "
-              f"the {cores} cores (column 'load'): the measured times include waiting for "
-              "other processes, which the model does not predict")
+              f"the {cores} cores (column 'load'; it includes our own earlier launches' ranks, "
+              "'others running' does not): the measured times include waiting for other "
+              "processes, which the model does not predict")
     _write(out, result)
     return result
 
 
 def validation_table(rows) -> str:
     """Local. Predicted against measured step times (the median and the fastest
-    sample) and the highest 1-minute load of the launches, as a Markdown table."""
+    sample), the highest 1-minute load of the launches and the most other
+    threads runnable as one started, as a Markdown table."""
     head = ("model", "ranks", "transport", "predicted", "measured (median)", "error",
-            "fastest sample", "error vs fastest", "load")
+            "fastest sample", "error vs fastest", "load", "others running")
     body = [(r["model"], str(r["ranks"]), "shm" if r["transport"] == "default" else r["transport"],
              _ms(r["predicted_s"]), _ms(r["measured_s"]), f"{100 * r['error']:+.0f}%",
-             _ms(r["fastest_s"]), f"{100 * r['error_fastest']:+.0f}%", f"{r['load']:.1f}")
+             _ms(r["fastest_s"]), f"{100 * r['error_fastest']:+.0f}%", f"{r['load']:.1f}",
+             str(r.get("others_running", "")))
             for r in rows]
     return _markdown(head, body)
 
