@@ -91,10 +91,11 @@ class DomainParallel(torch.nn.Module):
         by ``torch.zeros(...)`` (and the like) takes a layout when a DomainTensor
         is written into it (``nn/factories.py``); False leaves every factory plain.
     fuse_halos : bool, optional
-        Halo fusion (``nn/fusion.py``, docs/fusion.md): every ``nn.Sequential``
-        of two or more convs with only pointwise modules between them exchanges
-        one halo as wide as its combined reach, not one per conv (where its
-        input cannot fuse, it runs unfused). Marks the module's chains in place.
+        Halo fusion (``nn/fusion.py``, docs/fusion.md): every block (an
+        ``nn.Sequential`` or a residual block) made of two or more convs and
+        pointwise ops only exchanges one halo as wide as its combined reach,
+        not one per conv (where its input cannot fuse, it runs unfused). Marks
+        the blocks in place; ``fused_chains`` names them.
         None (the default) reads ``DOMAINPAR_FUSE_HALOS`` (``1``: on; unset: off).
 
     Notes

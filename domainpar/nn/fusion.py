@@ -116,8 +116,7 @@ def trace(module: torch.nn.Module) -> Chain:
         if op == "input" and any(s.op == "input" for s in steps):
             raise _refuse("a fused module takes one tensor input")
         if op == "conv":
-            conv: Any = module.get_submodule(node.target)
-            convs += any(d * (k - 1) for k, d in zip(conv.kernel_size, conv.dilation))
+            convs += _reaches(module.get_submodule(node.target))
         index[node] = len(steps)
         steps.append(_Step(op, target, ref(node.args), tuple(ref(dict(node.kwargs)).items())))
     return Chain(tuple(steps), convs)
@@ -424,13 +423,15 @@ def _fused_forward(self: torch.nn.Module, *args, **kwargs):
 
 
 def fuse_chains(module: torch.nn.Module) -> list[str]:
-    """Local. Mark (``fused(..., strict=False)``) every ``nn.Sequential`` in
-    ``module`` that fuses and holds two or more convs that reach past a cell,
-    outermost first (not those inside one marked); returns their names."""
+    """Local. Mark (``fused(..., strict=False)``) every block in ``module`` that
+    fuses: an ``nn.Sequential`` or a module of the user's (a residual block)
+    whose modules are all convs and pointwise modules, two or more of the convs
+    reaching past their cell; outermost first, not inside one marked. Only such
+    blocks are traced. Returns their names."""
     marked: list[str] = []
     for name, sub in module.named_modules():
         inside = any(name == p or name.startswith(p + ".") or p == "" for p in marked)
-        if inside or not isinstance(sub, torch.nn.Sequential) or hasattr(sub, "_domainpar_fusion"):
+        if inside or not _candidate(sub) or hasattr(sub, "_domainpar_fusion"):
             continue
         try:
             chain = trace(sub)
@@ -440,6 +441,22 @@ def fuse_chains(module: torch.nn.Module) -> list[str]:
             _mark(sub, chain, strict=False)
             marked.append(name)
     return marked
+
+
+def _candidate(module: torch.nn.Module) -> bool:
+    """Whether ``module`` holds modules, all of them containers, convs or pointwise
+    modules, with two or more convs that reach past their cell."""
+    leaves = [m for m in module.modules() if not list(m.children())]
+    if not leaves or leaves[0] is module:
+        return False
+    if not all(type(m) in _CONVS or isinstance(m, _POINTWISE + _DROPOUT) for m in leaves):
+        return False
+    return sum(type(m) in _CONVS and _reaches(m) for m in leaves) >= 2
+
+
+def _reaches(conv: Any) -> bool:
+    """Whether the conv reads cells other than its output's own along some dim."""
+    return any(d * (k - 1) for k, d in zip(conv.kernel_size, conv.dilation))
 
 
 def fuse_for(module: torch.nn.Module, fuse_halos: bool | None, comm) -> list[str]:
