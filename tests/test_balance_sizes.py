@@ -94,6 +94,10 @@ def test_affine_fit_recovers_a_line_and_falls_back_to_per_cell():
     fx, pc = affine_fit(([100.0, 100.0], [3.0, 1.0]), ([150.0, 150.0], [2.0, np.nan]))
     assert fx[0] == 0.0 and pc[0] == pytest.approx(2.0 / 150)
     assert np.isnan(fx[1]) and np.isnan(pc[1])
+    # seconds per cell within the noise of each other: no line
+    line = ([100.0, 100.0], [1.0, 1.0]), ([150.0, 150.0], [1.4, 1.4])
+    fx, pc = affine_fit(*line, noise=[0.01, 0.2])
+    assert fx[0] == pytest.approx(0.2) and fx[1] == 0.0 and pc[1] == pytest.approx(1.4 / 150)
     # never measured before (the first layout): no fixed part
     fx, pc = affine_fit(([np.nan], [np.nan]), ([80.0], [4.0]))
     assert fx[0] == 0.0 and pc[0] == pytest.approx(0.05)

@@ -97,7 +97,7 @@ class Balancer:
         self._recent = np.full((self._comm.Get_size(), _WINDOW), np.nan)  # raw, for the noise
         self._samples = np.zeros(self._comm.Get_size(), dtype=np.int64)
         nan = np.full(self._comm.Get_size(), np.nan)
-        self._before = (nan, nan)  # (cells, seconds) per rank on the layout left last
+        self._before = (nan, nan, nan)  # (cells, seconds, noise) per rank, the layout left
         self._fixed = np.zeros(self._comm.Get_size())  # fitted fixed seconds per step
         self._per_cell = nan  # fitted seconds per cell (NaN: 1 / throughput)
         self._steps, self._skip = 0, warmup
@@ -264,12 +264,21 @@ class Balancer:
         smoothed estimate of the noisiest rank when that is more (from the relative
         spread of its last measurements), so that a crowded machine's jitter
         does not move blocks about."""
-        spreads = [np.std(v, ddof=1) / np.mean(v) for v in
-                   (row[~np.isnan(row)] for row in self._recent) if len(v) > 1]
-        if not spreads:
+        noise = self._noise()
+        if np.isnan(noise).all():
             return self.threshold
-        smoothed = max(spreads) * np.sqrt(self.smoothing / (2 - self.smoothing))
-        return max(self.threshold, self.noise_margin * float(smoothed))
+        return max(self.threshold, self.noise_margin * float(np.nanmax(noise)))
+
+    def _noise(self) -> np.ndarray:
+        """Local. Per rank, the relative standard deviation of its smoothed
+        estimate on this layout (from the spread of its last measurements; NaN
+        with fewer than two)."""
+        out = np.full(len(self._recent), np.nan)
+        for r, row in enumerate(self._recent):
+            v = row[~np.isnan(row)]
+            if len(v) > 1:
+                out[r] = np.std(v, ddof=1) / np.mean(v)
+        return out * np.sqrt(self.smoothing / (2 - self.smoothing))
 
     def _consider(self) -> bool:
         """Collective when it moves (the new Decomposition's agreement check).
@@ -282,8 +291,9 @@ class Balancer:
         ref = self.decomposition
         current = {d: ref.block_sizes(d) for d in ref.shard}
         cells = self._cells(current)
-        fixed, per_cell = plan.affine_fit(self._before, (cells, cells / throughput),
-                                          self._fixed)
+        noise = np.nan_to_num(np.hypot(self._before[2], self._noise()), nan=np.inf)
+        fixed, per_cell = plan.affine_fit(self._before[:2], (cells, cells / throughput),
+                                          self._fixed, noise=self.noise_margin * noise)
         self._fixed, self._per_cell = np.nan_to_num(fixed), per_cell
         per_cell = self._fit()[1]
         rest = math.prod(n for d, n in enumerate(ref.global_shape) if d not in ref.shard)
@@ -318,7 +328,7 @@ class Balancer:
         """Local. After a move: keep the layout left (``cells``, ``seconds`` per
         rank) for the fit of each rank's fixed cost; measure afresh (warm-up, a
         new noise window: times on another layout are not noise)."""
-        self._before = (cells, seconds)
+        self._before = (cells, seconds, self._noise())
         self._recent[:] = np.nan
         self._samples[:] = 0
         self._skip = self.warmup

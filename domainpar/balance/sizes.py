@@ -98,12 +98,14 @@ def gain(current: Mapping[int, Sequence[int]], proposed: Mapping[int, Sequence[i
 
 
 def affine_fit(before: tuple[Floats, Floats], now: tuple[Floats, Floats],
-               prior: Floats | None = None, spread: float = 0.1
-               ) -> tuple[np.ndarray, np.ndarray]:
+               prior: Floats | None = None, spread: float = 0.1,
+               noise: Floats | None = None) -> tuple[np.ndarray, np.ndarray]:
     """Local. Per rank, a step's time as ``fixed + per_cell * cells`` from two
     layouts' measurements (``(cells, seconds)`` per rank, before and now): the
     line through the two points where the cells differ by more than ``spread``
-    of the larger and the line is a cost (per_cell > 0, fixed >= 0); otherwise
+    of the larger, the seconds per cell differ by more than ``noise`` (per
+    rank, relative; none by default) and the line is a cost (per_cell > 0,
+    fixed >= 0); otherwise
     the ``prior`` fixed part (an earlier fit; none by default) where it is less
     than the time now, the rest per cell. NaN seconds (not measured) give NaN."""
     x0, t0 = (np.asarray(v, dtype=float) for v in before)
@@ -113,7 +115,8 @@ def affine_fit(before: tuple[Floats, Floats], now: tuple[Floats, Floats],
         slope = (t1 - t0) / (x1 - x0)
         fixed = t1 - slope * x1
         apart = np.abs(x1 - x0) > spread * np.maximum(x0, x1)
-        line = apart & (slope > 0) & (fixed >= 0) & np.isfinite(t0)
+        moved = np.abs(np.log((t1 / x1) / (t0 / x0))) > (0.0 if noise is None else noise)
+        line = apart & moved & (slope > 0) & (fixed >= 0) & np.isfinite(t0)
         old = np.where((old >= 0) & (old < t1), old, 0.0)
         fixed = np.where(line, fixed, np.where(np.isnan(t1), np.nan, old))
         per_cell = np.where(line, slope, (t1 - fixed) / x1)
