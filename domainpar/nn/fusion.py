@@ -277,8 +277,10 @@ def run(module: torch.nn.Module, fusion: Fusion, x: DomainTensor) -> DomainTenso
             return DomainTensor(out, out_dec)
         elif step.op == "conv":
             t, m = env[step.args[0].index]
+            if step.args[0].index != 0:  # (the filled input is zero outside the domain)
+                t = _zero_outside(t, m, dec, wraps)
             conv = module.get_submodule(step.target)
-            env.append(_conv(conv, entered[step.target], t, m, dec, wraps))
+            env.append(_conv(conv, entered[step.target], t, m))
         else:
             env.append(_pointwise(module, step, env))
     raise AssertionError("a traced graph ends with its output")
@@ -299,11 +301,10 @@ def _extend(x: DomainTensor, widths: Mapping[int, tuple[int, int]],
     return ag.halo_fill(F.pad(local, pads), exchange)
 
 
-def _conv(conv: Any, wb: tuple, t: torch.Tensor, m: dict[int, tuple[int, int]],
-          dec, wraps: Mapping[int, bool]) -> tuple[torch.Tensor, dict[int, tuple[int, int]]]:
+def _conv(conv: Any, wb: tuple, t: torch.Tensor,
+          m: dict[int, tuple[int, int]]) -> tuple[torch.Tensor, dict[int, tuple[int, int]]]:
     """Local. One conv on the extended block ``t`` holding ``m`` ghost cells per
     sharded dim: no padding along those, the conv's own along whole dims."""
-    t = _zero_outside(t, m, dec, wraps)
     pads = _pads(conv)
     whole = [(0, 0) if d in m else pads[d - 2] for d in range(2, t.ndim)]
     if conv.padding_mode == "zeros" and all(lo == hi for lo, hi in whole):
