@@ -1,9 +1,12 @@
 """`domainpar bench balance`: dynamic load balancing with one rank slowed.
 
-The slowdown is a documented per-cell delay: each step, the slowed rank runs
-its model's forward ``passes`` extra times on its own block (plain torch, no
-gradients, no communication), so its time per cell grows and it would set every other rank's
-pace through the halo exchanges and the gradient allreduce.
+The slowdown is a documented per-cell delay spread over the step like a
+slower device's time (``_slowdown``): on the slowed rank, each layer's forward
+runs ``passes`` more times on its block and the backward through it
+``2 * passes`` more forwards (plain torch, no gradients, no communication), so
+every stretch of compute between two communications takes about ``1 +
+passes`` times as long, and that rank would set every other rank's pace
+through the halo exchanges and the gradient allreduce.
 
 Two cases, each timed in one run:
 
@@ -25,7 +28,9 @@ cells over its compute. The ideal step is the total cells over the sum of the
 ranks' throughputs (each pooled over both layouts' steps); the target is a balanced
 step within 15% of it. Also reported: the slowest rank's compute over the ideal
 (what balancing controls, communication left out), and each layout's compute
-imbalance (max / mean over ranks), in wall and in CPU time.
+imbalance (max / mean over ranks), in wall and in CPU time; the ideal plus
+the step's communication (the blocked time of the balanced layout's
+least-waiting rank); and the Balancer's own cost (``balancer.step()``, moves).
 """
 from __future__ import annotations
 
@@ -292,7 +297,7 @@ def run(cases=("grid", "points"), side: int = 512, channels: int = 16, layers: i
                   settle=settle, repeats=repeats, clock_kind=clock_kind)
     if rank == 0:
         print(f"domainpar bench balance: {size} rank(s), rank {slow_rank} slowed by {passes} "
-              f"extra forwards of its model per step; {settle} balancer steps, then "
+              f"extra forwards of each layer (twice in backward); {settle} balancer steps, then "
               f"{repeats} steps per layout, interleaved", flush=True)
     results, skipped = {}, {}
     for case in cases:
@@ -380,5 +385,5 @@ def plot(report: dict, plt):
         ax.grid(axis="y", alpha=0.3)
         ax.legend(fontsize=8)
     fig.suptitle(f"Load balancing on {report['ranks']} ranks, rank {report['slow_rank']} "
-                 f"slowed ({report['passes']} extra forwards per step)")
+                 f"slowed ({report['passes']} extra forwards per layer)")
     return fig
