@@ -46,7 +46,8 @@ import torch.nn.functional as F
 from .. import autograd as ag
 from ..comm.errors import agree, signature_of
 from ..ops import window
-from ..ops.onednn import local_conv
+from ..ops.common import autocast_operands
+from ..ops.conv import HaloConv, _ConvSpec  # the unfused conv's Function, run with no halo
 from ..tensor.dispatch import UnsupportedOpError
 from ..tensor.domain_tensor import DomainTensor
 from ..tensor.params import enter_domain
@@ -304,7 +305,9 @@ def _extend(x: DomainTensor, widths: Mapping[int, tuple[int, int]],
 def _conv(conv: Any, wb: tuple, t: torch.Tensor,
           m: dict[int, tuple[int, int]]) -> tuple[torch.Tensor, dict[int, tuple[int, int]]]:
     """Local. One conv on the extended block ``t`` holding ``m`` ghost cells per
-    sharded dim: no padding along those, the conv's own along whole dims."""
+    sharded dim: no padding along those, the conv's own along whole dims. Runs
+    the unfused conv's Function with no halo (its local kernel choice, its
+    backward in pieces)."""
     pads = _pads(conv)
     whole = [(0, 0) if d in m else pads[d - 2] for d in range(2, t.ndim)]
     if conv.padding_mode == "zeros" and all(lo == hi for lo, hi in whole):
@@ -314,9 +317,12 @@ def _conv(conv: Any, wb: tuple, t: torch.Tensor,
         if any(lo or hi for lo, hi in whole):
             mode = "constant" if conv.padding_mode == "zeros" else conv.padding_mode
             t = F.pad(t, [p for lo_hi in reversed(whole) for p in lo_hi], mode=mode)
-    nsp = t.ndim - 2
-    out = local_conv(_CONVS[type(conv)], t, wb[0], wb[1], (1,) * nsp, torch_pads,
-                     tuple(conv.dilation), conv.groups)
+    t, w, b = autocast_operands(t, *wb)
+    spatial = [t.shape[d] + 2 * p - conv.dilation[d - 2] * (conv.kernel_size[d - 2] - 1)
+               for d, p in zip(range(2, t.ndim), torch_pads)]
+    spec = _ConvSpec(_CONVS[type(conv)], (1,) * len(whole), torch_pads, tuple(conv.dilation),
+                     conv.groups, (), (), (t.shape[0], conv.out_channels, *spatial))
+    out = HaloConv.apply(t, w, b, None, spec)
     return out, {d: (lo - pads[d - 2][0], hi - pads[d - 2][1]) for d, (lo, hi) in m.items()}
 
 
