@@ -19,6 +19,7 @@ are not touched.
 from __future__ import annotations
 
 import math
+from collections import deque
 from collections.abc import Mapping, Sequence
 
 import numpy as np
@@ -31,6 +32,7 @@ from ..tensor import DomainTensor
 from . import sizes as plan
 
 _WINDOW = 8  # raw measurements per rank kept for the noise margin
+_HISTORY = 1000  # decisions kept in Balancer.history (a long run does not grow it)
 
 
 class Balancer:
@@ -101,7 +103,7 @@ class Balancer:
         self._fixed = np.zeros(self._comm.Get_size())  # fitted fixed seconds per step
         self._per_cell = nan  # fitted seconds per cell (NaN: 1 / throughput)
         self._steps, self._skip = 0, warmup
-        self.history: list[dict] = []
+        self.history: deque[dict] = deque(maxlen=_HISTORY)  # the last decisions
         self.start()
 
     # -- the data's layout ---------------------------------------------------------------
@@ -340,7 +342,9 @@ class Balancer:
         others; None before any rank has been measured."""
         if np.isnan(self._cost).all():
             return None
-        cost = np.where(np.isnan(self._cost), np.nanmean(self._cost), self._cost)
+        missing = np.isnan(self._cost)
+        cost = np.where(missing, np.mean(self._cost[~missing]), self._cost) if missing.any() \
+            else self._cost
         return 1.0 / cost
 
     def predicted_step(self, sizes: Mapping[int, Sequence[int]] | None = None) -> float | None:

@@ -129,8 +129,10 @@ def affine_times(sizes: Mapping[int, Sequence[int]], shard: Mapping[int, int],
     """Local. Each rank's predicted step seconds, ``fixed + per_cell * cells``,
     with ``sizes`` ({dim: per-coordinate sizes}); ``rest`` cells per element of
     the sharded dims (the unsharded dims' product)."""
-    cells = [rest * math.prod(sizes[d][c[a]] for d, a in shard.items()) for c in coords]
-    return np.asarray(fixed) + np.asarray(per_cell) * np.asarray(cells, dtype=float)
+    cells = np.full(len(coords), float(rest))
+    for d, a in shard.items():
+        cells *= np.asarray(sizes[d], dtype=float)[[c[a] for c in coords]]
+    return np.asarray(fixed) + np.asarray(per_cell) * cells
 
 
 def affine_plan(global_shape: Sequence[int], shard: Mapping[int, int],
@@ -148,12 +150,15 @@ def affine_plan(global_shape: Sequence[int], shard: Mapping[int, int],
     every = {d: tuple(s) for d, s in current.items()}
     best: dict[int, tuple[int, ...]] = {}
     best_time = math.inf
-    for _ in range(rounds):
+    fixed = np.asarray(fixed, dtype=float)
+    for _ in range(rounds if fixed.any() else 1):
         cells = np.maximum(affine_times(every, shard, coords, rest, np.zeros(len(coords)),
                                         np.ones(len(coords))), 1.0)
-        throughput = cells / (np.asarray(fixed) + np.asarray(per_cell) * cells)
+        throughput = cells / (fixed + np.asarray(per_cell) * cells)
         proposal = balanced_plan(global_shape, shard, grid_dims, coords, throughput, dims,
                                  min_size, unit)
+        if every == {**every, **proposal}:  # a fixed point: later rounds repeat it
+            break
         every = {**every, **proposal}
         worst = float(affine_times(every, shard, coords, rest, fixed, per_cell).max())
         if worst < best_time:

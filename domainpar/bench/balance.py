@@ -177,7 +177,7 @@ def _settle(balancer, steps: int, step_on, relayout) -> dict:
             cost["move_s"].append(time.perf_counter() - t0)
     # a faster rank also waits in step()'s allreduce: the rank that waits least pays its cost
     own = min(balancer.grid.comm.allgather(median(cost["step_s"])))
-    return {"history": balancer.history, "fixed_s": balancer.fixed_seconds().tolist(),
+    return {"history": list(balancer.history), "fixed_s": balancer.fixed_seconds().tolist(),
             "median_step_s": own, "moves_s": cost["move_s"]}
 
 
