@@ -74,7 +74,12 @@ def fault_timeout() -> float:
 @blocking
 def completes_within(request: MPI.Request, limit: float) -> bool:
     """Local. Whether the nonblocking ``request`` completed within ``limit``
-    seconds (0: waits as long as it takes)."""
+    seconds (0: waits as long as it takes, in MPI's blocking wait: a poll with
+    sleeps would add up to a sleep's length, a scheduler's time slice on a busy
+    machine, to every wait)."""
+    if limit <= 0:
+        request.Wait()
+        return True
     start = time.monotonic()
     while not request.Test():
         if limit > 0 and time.monotonic() - start > limit:
