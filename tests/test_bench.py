@@ -224,7 +224,7 @@ def test_scaling_shapes_per_model(capsys):
 
 
 @pytest.mark.parametrize("model,shape", [("unet3d", (1, 2, 8, 8, 8)), ("vit2d", (1, 1, 8, 8)),
-                                         ("fno2d", (1, 1, 8, 8))])
+                                         ("fno2d", (1, 1, 8, 8)), ("resnet3d", (1, 2, 8, 8, 8))])
 def test_scaling_steps_train_or_only_infer(model, shape):
     """A training step moves the parameters; an inference step (eval, no_grad)
     neither moves them nor leaves gradients, and keeps BatchNorm's running stats."""

@@ -281,8 +281,9 @@ def add_parser(subparsers) -> None:
                     "with --inference, one forward (eval mode, torch.no_grad) of a model of "
                     "domainpar.testing.models in DomainParallel: --model unet3d (width 4, 4 "
                     "levels, field 1x2xSxSxS), vit2d or fno2d (field 1x1xSxS; the models "
-                    "of `bench step`), float32, sharded along dim 2, one torch thread per "
-                    "rank, on 1, 2, 4, ... N ranks, each rank count in its own job: strong "
+                    "of `bench step`) or resnet3d (field 1x2xSxSxS), float32, sharded "
+                    "along dim 2, one torch thread per rank, on 1, 2, 4, ... N ranks, each "
+                    "rank count in its own job: strong "
                     "scaling (a fixed global field; speedup T1 / Tn, efficiency "
                     "T1 / (n Tn)) and weak scaling (a fixed block per rank, the global "
                     "extent along dim 2 growing with the ranks; efficiency T1 / Tn). "
@@ -299,24 +300,28 @@ def add_parser(subparsers) -> None:
                               f"core count, {os.cpu_count()} here)")
     scaling.add_argument("--ranks", type=positive(int), nargs="+", default=None,
                          help="the rank counts to run instead (e.g. 1 2 3 4)")
-    scaling.add_argument("--model", choices=["unet3d", "vit2d", "fno2d"], default="unet3d",
-                         help="the model (default unet3d)")
+    scaling.add_argument("--model", choices=["unet3d", "vit2d", "fno2d", "resnet3d"],
+                         default="unet3d",
+                         help="the model (default unet3d; resnet3d: a norm-free 3-D ResNet "
+                              "of width 2 x --width and --levels - 1 residual blocks, whose "
+                              "conv chains --compare DOMAINPAR_FUSE_HALOS=1 fuses)")
     scaling.add_argument("--inference", action="store_true",
                          help="time one forward in eval mode under torch.no_grad (no loss, "
                               "no backward) instead of a training step")
     scaling.add_argument("--side", type=positive(int), default=None,
                          help="the field's side S: strong scaling's global field is "
-                              "1x2xSxSxS (unet3d) or 1x1xSxS (vit2d, fno2d), weak scaling's "
+                              "1x2xSxSxS (unet3d, resnet3d) or 1x1xSxS (vit2d, fno2d), weak "
+                              "scaling's "
                               "block per rank is that field with S/2 along dim 2 (default: "
-                              "64 for unet3d, 256 for vit2d, 512 for fno2d)")
+                              "64 for unet3d and resnet3d, 256 for vit2d, 512 for fno2d)")
     scaling.add_argument("--strong-shape", type=positive(int), nargs="+", default=None,
                          metavar="EXTENT",
-                         help="strong scaling's global field instead: N C D H W (unet3d) or "
+                         help="strong scaling's global field instead: N C D H W (3-D models) or "
                               "N C H W (vit2d, fno2d)")
     scaling.add_argument("--weak-block", type=positive(int), nargs="+", default=None,
                          metavar="EXTENT",
                          help="weak scaling's block per rank instead, dim 2 growing with the "
-                              "ranks: N C D H W (unet3d) or N C H W (vit2d, fno2d)")
+                              "ranks: N C D H W (3-D models) or N C H W (vit2d, fno2d)")
     scaling.add_argument("--modes", nargs="+", choices=["strong", "weak"],
                          default=["strong", "weak"], help="which scalings (default both)")
     scaling.add_argument("--repeats", type=positive(int), default=5,
@@ -326,10 +331,12 @@ def add_parser(subparsers) -> None:
                          help="run every rank count's job this many times, alternating rank "
                               "counts, and pool the samples (default 1)")
     scaling.add_argument("--width", type=positive(int), default=4,
-                         help="unet3d: the channels at the first level (default 4)")
+                         help="unet3d: the channels at the first level; resnet3d: half "
+                              "its width (default 4)")
     scaling.add_argument("--levels", type=positive(int), default=4,
                          help="unet3d: the levels (default 4; a block's side along dim 2 "
-                              "must hold 2**(levels-1) cells)")
+                              "must hold 2**(levels-1) cells); resnet3d: one more than its "
+                              "residual blocks")
     _add_out(scaling, "scaling")
     settings.add_argument(scaling)
     scaling.set_defaults(run=_bench_scaling, launches_jobs=True)
@@ -403,8 +410,9 @@ def _add_balance(bench_sub) -> None:
                               "its compute)")
     balance.add_argument("--slow-rank", type=int, default=None,
                          help="the slowed rank (default: the last)")
-    balance.add_argument("--settle", type=positive(int), default=8,
-                         help="balancer steps before timing (default 8)")
+    balance.add_argument("--settle", type=positive(int), default=16,
+                         help="balancer steps before timing (default 16: room for a second "
+                              "move, which corrects for fixed costs)")
     balance.add_argument("--repeats", type=positive(int), default=7,
                          help="timed steps per layout (default 7)")
     balance.add_argument("--clock", choices=["wall", "cpu"], default="wall",
@@ -431,8 +439,11 @@ def _add_step(bench_sub) -> None:
                     "Prints tables; writes JSON and a stacked-bar PNG (docs/benchmarks.md).")
     step.add_argument("--ranks", type=positive(int), nargs="+", default=[1, 2, 4],
                       help="rank counts, one job each (default 1 2 4)")
-    step.add_argument("--models", nargs="+", choices=["unet3d", "vit2d", "fno2d"],
-                      default=["unet3d", "vit2d", "fno2d"], help="models (default: all three)")
+    step.add_argument("--models", nargs="+", choices=["unet3d", "vit2d", "fno2d", "resnet3d"],
+                      default=["unet3d", "vit2d", "fno2d"],
+                      help="models (default: unet3d vit2d fno2d; resnet3d, a norm-free 3-D "
+                           "ResNet on the UNet's field, is the one whose conv chains "
+                           "fuse)")
     step.add_argument("--unet-side", type=positive(int), default=64,
                       help="the UNet3d's field: 1x2xS^3 (default 64)")
     step.add_argument("--field-side", type=positive(int), default=128,

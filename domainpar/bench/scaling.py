@@ -43,9 +43,9 @@ from typing import Any
 from .step import MODELS
 
 SHARDED_DIM = 2
-DEFAULT_SIDES = {"unet3d": 64, "vit2d": 256, "fno2d": 512}
-CHANNELS = {"unet3d": 2, "vit2d": 1, "fno2d": 1}
-SPATIAL_DIMS = {"unet3d": 3, "vit2d": 2, "fno2d": 2}
+DEFAULT_SIDES = {"unet3d": 64, "vit2d": 256, "fno2d": 512, "resnet3d": 64}
+CHANNELS = {"unet3d": 2, "vit2d": 1, "fno2d": 1, "resnet3d": 2}
+SPATIAL_DIMS = {"unet3d": 3, "vit2d": 2, "fno2d": 2, "resnet3d": 3}
 DEFAULT_STRONG_SHAPE = (1, 2, 64, 64, 64)
 DEFAULT_WEAK_BLOCK = (1, 2, 32, 64, 64)
 MODES = ("strong", "weak")

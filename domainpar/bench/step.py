@@ -52,7 +52,7 @@ import time
 SHARDED_DIM = 2
 PARTS = ("compute", "dispatch", "agreement", "halo", "allreduce", "other_comm", "waiting",
          "instrumentation")
-MODELS = ("unet3d", "vit2d", "fno2d")
+MODELS = ("unet3d", "vit2d", "fno2d", "resnet3d")
 DEFAULT_RANKS = (1, 2, 4)
 DISPATCH_CELLS = (1_000, 10_000, 100_000, 1_000_000)
 _NEIGHBOUR_WISE = ("HaloExchange.fill", "HaloExchange.accumulate", "PendingShift.wait",
@@ -85,6 +85,8 @@ def model_factory(name: str, shape, width: int = 4, levels: int = 4):
         return lambda: models.ViT2d(tuple(shape[2:]), c, c, patch=4, dim=32, heads=4, depth=2)
     if name == "fno2d":
         return lambda: models.FNO2d(c, c, width=8, modes=min(8, min(shape[2:]) // 4), layers=4)
+    if name == "resnet3d":
+        return lambda: models.ResNet3d(c, c, width=2 * width, blocks=levels - 1)
     raise ValueError(f"unknown model {name!r}; use one of {', '.join(MODELS)}")
 
 
@@ -92,13 +94,14 @@ def describe_model(name: str, width: int = 4, levels: int = 4) -> str:
     """Local. ``model_factory``'s model ``name`` in words, for reports."""
     return {"unet3d": f"UNet3d(width={width}, levels={levels})",
             "vit2d": "ViT2d(patch=4, dim=32, heads=4, depth=2)",
-            "fno2d": "FNO2d(width=8, modes=min(8, side/4), layers=4)"}[name]
+            "fno2d": "FNO2d(width=8, modes=min(8, side/4), layers=4)",
+            "resnet3d": f"ResNet3d(width={2 * width}, blocks={levels - 1})"}[name]
 
 
 def model_spec(name: str, unet_side: int, field_side: int, levels: int = 4) -> tuple:
     """Local. ``(factory, global shape)`` of a benchmark model: the UNet3d on a
     ``unet_side``^3 field of 2 channels, the 2-D models on ``field_side``^2, one channel."""
-    shape = ((1, 2, unet_side, unet_side, unet_side) if name == "unet3d"
+    shape = ((1, 2, unet_side, unet_side, unet_side) if name in ("unet3d", "resnet3d")
              else (1, 1, field_side, field_side))
     return model_factory(name, shape, levels=levels), shape
 

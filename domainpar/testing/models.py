@@ -18,6 +18,11 @@ with ``nn.MultiheadAttention``; a transposed conv turns tokens back into a field
 (rfft2, the low ``modes`` of both signs along H and the first ``modes`` along
 W mixed by complex weights with einsum, zero-filled back to the full spectrum,
 irfft2) plus a pointwise conv path, GELU, and a projection.
+
+``ResNet3d``: a 3-D residual network without normalization (stem conv,
+residual blocks ``x + conv(gelu(conv(x)))``, a 1x1x1 head), the kind of
+chain whose halos ``DomainParallel(..., fuse_halos=True)`` exchanges once per
+block instead of once per conv.
 """
 from __future__ import annotations
 
@@ -78,6 +83,35 @@ class UNet3d(nn.Module):
                 h = self.up[i](h, output_size=skip.shape[2:])
             h = self.decode[i](torch.cat([h, skip], dim=1))
         return self.head(h)
+
+
+class ResidualBlock(nn.Module):
+    """``x + conv(gelu(conv(x)))``, 3x3x3 convs, no normalization."""
+
+    def __init__(self, channels: int):
+        super().__init__()
+        self.conv1 = nn.Conv3d(channels, channels, 3, padding=1)
+        self.act = nn.GELU()
+        self.conv2 = nn.Conv3d(channels, channels, 3, padding=1)
+
+    def forward(self, x):
+        """Collective when ``x`` is a DomainTensor (the convs' halos). The block."""
+        return x + self.conv2(self.act(self.conv1(x)))
+
+
+class ResNet3d(nn.Module):
+    """A stem conv to ``width`` channels, ``blocks`` residual blocks, a 1x1x1 head."""
+
+    def __init__(self, in_channels: int = 2, out_channels: int = 2, width: int = 8,
+                 blocks: int = 3):
+        super().__init__()
+        self.stem = nn.Conv3d(in_channels, width, 3, padding=1)
+        self.blocks = nn.Sequential(*(ResidualBlock(width) for _ in range(blocks)))
+        self.head = nn.Conv3d(width, out_channels, 1)
+
+    def forward(self, x):
+        """Collective when ``x`` is a DomainTensor. Stem, residual blocks, head."""
+        return self.head(self.blocks(self.stem(x)))
 
 
 # -- a vision transformer over patches ------------------------------------------------------------
