@@ -32,6 +32,7 @@ from ..tensor import DomainTensor
 from . import sizes as plan
 
 _WINDOW = 8  # raw measurements per rank kept for the noise margin
+_SETTLED = 4  # measurements on a layout before its own spread alone sets the noise
 _HISTORY = 1000  # decisions kept in Balancer.history (a long run does not grow it)
 
 
@@ -274,13 +275,18 @@ class Balancer:
     def _noise(self) -> np.ndarray:
         """Local. Per rank, the relative standard deviation of its smoothed
         estimate on this layout (from the spread of its last measurements; NaN
-        with fewer than two)."""
+        with fewer than two). While a rank has fewer than ``_SETTLED``
+        measurements on this layout, no less than on the layout before (the
+        machine's jitter does not change with the blocks; two or three samples
+        can show little of it by chance)."""
         out = np.full(len(self._recent), np.nan)
         for r, row in enumerate(self._recent):
             v = row[~np.isnan(row)]
             if len(v) > 1:
                 out[r] = np.std(v, ddof=1) / np.mean(v)
-        return out * np.sqrt(self.smoothing / (2 - self.smoothing))
+        out *= np.sqrt(self.smoothing / (2 - self.smoothing))
+        young = (self._samples < _SETTLED) & ~np.isnan(self._before[2])
+        return np.where(young, np.fmax(out, self._before[2]), out)
 
     def _consider(self) -> bool:
         """Collective when it moves (the new Decomposition's agreement check).

@@ -284,7 +284,7 @@ def _points_available() -> str | None:
 
 def run(cases=("grid", "points"), side: int = 512, channels: int = 16, layers: int = 4,
         points: int = 400_000, cluster: float = 0.7, passes: int = 1,
-        slow_rank: int | None = None, settle: int = 8, repeats: int = 7,
+        slow_rank: int | None = None, settle: int = 16, repeats: int = 7,
         clock_kind: str = "wall", out: str = "bench-out/balance.json") -> dict:
     """Collective. Each case: settle the balancer, then time the even and the
     balanced layouts interleaved; write JSON and PNG (rank 0 prints a table)."""
