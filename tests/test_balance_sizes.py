@@ -94,6 +94,13 @@ def test_affine_fit_recovers_a_line_and_falls_back_to_per_cell():
     fx, pc = affine_fit(([100.0, 100.0], [3.0, 1.0]), ([150.0, 150.0], [2.0, np.nan]))
     assert fx[0] == 0.0 and pc[0] == pytest.approx(2.0 / 150)
     assert np.isnan(fx[1]) and np.isnan(pc[1])
+    # a cost growing faster than the cells (a block outgrowing a cache): a
+    # negative fixed part, down to minus half the time now; times stay positive
+    fx, pc = affine_fit(([100.0, 100.0], [1.0, 1.0]), ([150.0, 120.0], [1.8, 2.4]))
+    assert fx[0] == pytest.approx(-0.6) and pc[0] == pytest.approx(0.016)
+    assert fx[1] == 0.0 and pc[1] == pytest.approx(2.4 / 120)  # -4.6: too far below 0
+    t = affine_times({0: (150, 10)}, {0: 0}, [(0,), (1,)], 1, [-0.6, -0.6], [0.016, 0.016])
+    np.testing.assert_allclose(t, [1.8, 0.08])
     # seconds per cell within the noise of each other: no line
     line = ([100.0, 100.0], [1.0, 1.0]), ([150.0, 150.0], [1.4, 1.4])
     fx, pc = affine_fit(*line, noise=[0.01, 0.2])

@@ -104,8 +104,10 @@ def affine_fit(before: tuple[Floats, Floats], now: tuple[Floats, Floats],
     layouts' measurements (``(cells, seconds)`` per rank, before and now): the
     line through the two points where the cells differ by more than ``spread``
     of the larger, the seconds per cell differ by more than ``noise`` (per
-    rank, relative; none by default) and the line is a cost (per_cell > 0,
-    fixed >= 0); otherwise
+    rank, relative; none by default) and the line is a cost (per_cell > 0) whose
+    fixed part is no less than minus half the time now (a negative one: a
+    cost that grows faster than the cells, e.g. as a block outgrows a cache);
+    otherwise
     the ``prior`` fixed part (an earlier fit; none by default) where it is less
     than the time now, the rest per cell. NaN seconds (not measured) give NaN."""
     x0, t0 = (np.asarray(v, dtype=float) for v in before)
@@ -116,8 +118,8 @@ def affine_fit(before: tuple[Floats, Floats], now: tuple[Floats, Floats],
         fixed = t1 - slope * x1
         apart = np.abs(x1 - x0) > spread * np.maximum(x0, x1)
         moved = np.abs(np.log((t1 / x1) / (t0 / x0))) > (0.0 if noise is None else noise)
-        line = apart & moved & (slope > 0) & (fixed >= 0) & np.isfinite(t0)
-        old = np.where((old >= 0) & (old < t1), old, 0.0)
+        line = apart & moved & (slope > 0) & (fixed >= -t1 / 2) & np.isfinite(t0)
+        old = np.where((old >= -t1 / 2) & (old < t1), old, 0.0)
         fixed = np.where(line, fixed, np.where(np.isnan(t1), np.nan, old))
         per_cell = np.where(line, slope, (t1 - fixed) / x1)
     return fixed, per_cell
@@ -128,11 +130,13 @@ def affine_times(sizes: Mapping[int, Sequence[int]], shard: Mapping[int, int],
                  per_cell: Floats) -> np.ndarray:
     """Local. Each rank's predicted step seconds, ``fixed + per_cell * cells``,
     with ``sizes`` ({dim: per-coordinate sizes}); ``rest`` cells per element of
-    the sharded dims (the unsharded dims' product)."""
+    the sharded dims (the unsharded dims' product); a negative fixed part takes off at most half
+    the part per cell (the line is fitted near the cells measured)."""
     cells = np.full(len(coords), float(rest))
     for d, a in shard.items():
         cells *= np.asarray(sizes[d], dtype=float)[[c[a] for c in coords]]
-    return np.asarray(fixed) + np.asarray(per_cell) * cells
+    varying = np.asarray(per_cell) * cells
+    return np.maximum(np.asarray(fixed) + varying, varying / 2)
 
 
 def affine_plan(global_shape: Sequence[int], shard: Mapping[int, int],
