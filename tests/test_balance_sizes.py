@@ -14,6 +14,7 @@ from domainpar.balance import (
     affine_plan,
     affine_times,
     balanced_plan,
+    damped,
     gain,
     predicted_time,
     proportional_sizes,
@@ -128,3 +129,15 @@ def test_affine_plan_is_the_best_composition(fixed, n):
         return affine_times({0: sizes}, {0: 0}, coords, 2, fixed, per_cell).max()
     best = min(worst(c) for c in compositions(n, parts) if min(c) >= 1)
     assert worst(got[0]) == pytest.approx(best)
+
+
+def test_a_move_back_goes_halfway():
+    # forward on: as proposed; back: boundaries halfway, in whole units
+    assert damped((200, 200), (285, 115), (300, 100)) == (300, 100)
+    assert damped((200, 200), (285, 115), (238, 162)) == (262, 138)
+    assert damped((285, 115), (262, 138), (284, 116)) == (273, 127)
+    assert damped((10, 10, 10), (14, 10, 6), (8, 12, 10)) == (11, 11, 8)
+    assert damped((8, 8), (12, 4), (2, 14), unit=2) == (8, 8)  # 7 rows: towards now
+    # halfway is where it is already (or too small a block): as proposed
+    assert damped((10, 10), (12, 8), (11, 9)) == (11, 9)
+    assert damped((1, 1, 1), (1, 1, 1), (2, 0, 1)) == (2, 0, 1)

@@ -10,10 +10,11 @@ from .sizes import (
     affine_plan,
     affine_times,
     balanced_plan,
+    damped,
     gain,
     predicted_time,
     proportional_sizes,
 )
 
-__all__ = ["Balancer", "affine_fit", "affine_plan", "affine_times", "balanced_plan", "gain",
+__all__ = ["Balancer", "affine_fit", "affine_plan", "affine_times", "balanced_plan", "damped", "gain",
            "predicted_time", "proportional_sizes"]

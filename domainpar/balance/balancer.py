@@ -103,6 +103,7 @@ class Balancer:
         self._before = (nan, nan, nan)  # (cells, seconds, noise) per rank, the layout left
         self._fixed = np.zeros(self._comm.Get_size())  # fitted fixed seconds per step
         self._per_cell = nan  # fitted seconds per cell (NaN: 1 / throughput)
+        self._left: dict[int, tuple[int, ...]] = {}  # the sizes before the last move
         self._steps, self._skip = 0, warmup
         self.history: deque[dict] = deque(maxlen=_HISTORY)  # the last decisions
         self.start()
@@ -308,6 +309,8 @@ class Balancer:
         proposal = plan.affine_plan(ref.global_shape, ref.shard, self.grid.dims, self._coords,
                                     current, self._fixed, per_cell, self.dims, self.min_size,
                                     self.unit)
+        proposal = {d: plan.damped(self._left.get(d, current[d]), current[d], s,
+                                   self.unit.get(d, 1)) for d, s in proposal.items()}
         before, after = (float(plan.affine_times(s, ref.shard, self._coords, rest,
                                                  self._fixed, per_cell).max())
                          for s in (current, {**current, **proposal}))
@@ -322,6 +325,7 @@ class Balancer:
         if moved:
             self.decomposition = Decomposition(ref.global_shape, self.grid, ref.shard,
                                                {**current, **proposal})
+            self._left = current
             self._moved(cells, cells / throughput)
         return moved
 
@@ -377,18 +381,19 @@ class Balancer:
         return cells * copies / float(throughput.sum())
 
     def shares(self) -> np.ndarray | None:
-        """Local. Each rank's fraction of the total throughput (sums to 1): the
-        per-rank capacities of a partition that is not a block layout (points).
-        A rank's throughput is at its current cells, fixed cost included
-        (``fixed_seconds``): right after a move, the fractions just chosen."""
+        """Local. Each rank's share of the work (sums to 1): the per-rank
+        capacities of a partition that is not a block layout (points). After a
+        move, the fractions of the cells in the layout just chosen (fixed costs
+        and damping included); before any, each rank's fraction of the total
+        throughput."""
         throughput = self.throughput_estimate()
         if throughput is None:
             return None
-        cells = np.maximum(self._cells({d: self.decomposition.block_sizes(d)
-                                        for d in self.decomposition.shard}), 1.0)
-        fixed, per_cell = self._fit()
-        rate = cells / (fixed + per_cell * cells)
-        return rate / rate.sum()
+        if not self._left:
+            return throughput / throughput.sum()
+        cells = self._cells({d: self.decomposition.block_sizes(d)
+                             for d in self.decomposition.shard})
+        return cells / cells.sum()
 
     def _fit(self) -> tuple[np.ndarray, np.ndarray]:
         """Local. Each rank's (fixed seconds, seconds per cell); per cell from the

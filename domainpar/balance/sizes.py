@@ -168,3 +168,21 @@ def affine_plan(global_shape: Sequence[int], shard: Mapping[int, int],
         if worst < best_time:
             best, best_time = proposal, worst
     return best
+
+
+def damped(previous: Sequence[int], current: Sequence[int], proposed: Sequence[int],
+           unit: int = 1) -> tuple[int, ...]:
+    """Local. ``proposed`` sizes of one dim, or, when they undo the last move
+    (from ``previous`` to ``current``: the block boundaries move back), sizes
+    halfway from ``current`` to ``proposed`` (boundaries at the midpoints, in
+    whole ``unit`` rows), so that a layout that alternates between two
+    proposals (a cost the fit does not capture) closes in, by halves, on a
+    point between them. Unchanged when halfway is a layout already held."""
+    old, now, new = (np.cumsum(s)[:-1] for s in (previous, current, proposed))
+    if float(np.dot(new - now, now - old)) >= 0:
+        return tuple(proposed)
+    mid = now + np.trunc((new - now) / (2 * unit)).astype(np.int64) * unit  # towards now
+    sizes = tuple(int(v) for v in np.diff(np.concatenate([[0], mid, [sum(current)]])))
+    if min(sizes) < min(min(current), min(proposed)) or sizes == tuple(current):
+        return tuple(proposed)
+    return sizes
