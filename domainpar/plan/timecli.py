@@ -65,22 +65,43 @@ def add_parser(subparsers) -> None:
     p.add_argument("--time-budget", type=positive(float), default=60.0,
                    help="seconds for the compute measurement (default 60)")
     p.add_argument("--json", metavar="FILE")
-    v = sub.add_parser("validate", help="predicted vs measured: UNet3d, ViT, FNO at 1-4 ranks, "
-                                        "shared memory and TCP")
-    v.add_argument("--ranks", type=positive(int), nargs="+", default=[1, 2, 3, 4])
+    v = sub.add_parser(
+        "validate", help="predicted vs measured: UNet3d, ViT, FNO at 1-4 ranks, "
+                         "shared memory and TCP",
+        description="Predict, then measure, a training step of UNet3d (width 4, 3 levels, "
+                    "1x2x32^3: halos), ViT (a 64x64 field, ring attention) and FNO (64x64, "
+                    "FFT transposes) at each "
+                    "rank count and transport; launches its own mpiexec jobs (run it "
+                    "without mpiexec). Prints predicted, median, error, fastest sample and "
+                    "the load average of each launch (a warning where the load exceeds the "
+                    "cores: timings are then the scheduler's, not the model's); writes "
+                    "JSON. About 15 minutes at the defaults on 2 cores.")
+    v.add_argument("--ranks", type=positive(int), nargs="+", default=[1, 2, 3, 4],
+                   help="rank counts (default 1 2 3 4)")
     v.add_argument("--transports", nargs="+", default=["default", "tcp"],
-                   choices=["default", "tcp"])
+                   choices=["default", "tcp"],
+                   help="default: Open MPI's own choice (shared memory on one node); tcp: "
+                        "TCP alone on loopback, a stand-in for a network (default both)")
     v.add_argument("--models", nargs="+", choices=["UNet3d", "ViT", "FNO"],
                    help="validate these models only (default: all three)")
     v.add_argument("--rounds", type=positive(int), default=2,
                    help="interleaved launches per configuration (default 2)")
     v.add_argument("--repeats", type=positive(int), default=5,
                    help="timed steps per model per launch (default 5)")
-    v.add_argument("--out", default="bench-out/model-validation.json")
-    j = sub.add_parser("project", help="UNet3d strong and weak scaling to 1,024 ranks")
+    v.add_argument("--out", default="bench-out/model-validation.json",
+                   help="JSON output (default bench-out/model-validation.json)")
+    j = sub.add_parser(
+        "project", help="UNet3d strong and weak scaling to 1,024 ranks",
+        description="Measure a UNet3d's compute here (scaled-down blocks), trace its "
+                    "communication on 2 ranks, and project its step at 256^3, 512^3 and "
+                    "1024^3 on 1 to 1,024 ranks (the fastest grid of each count) for a CPU "
+                    "cluster and a GPU cluster profile; names the op that stops the scaling "
+                    "first. Prints tables; writes JSON and a PNG.")
     j.add_argument("--out", default="bench-out/model-projection.json",
-                   help="JSON; the PNG goes beside it")
-    j.add_argument("--time-budget", type=positive(float), default=120.0)
+                   help="JSON; the PNG goes beside it (default "
+                        "bench-out/model-projection.json)")
+    j.add_argument("--time-budget", type=positive(float), default=120.0,
+                   help="seconds for the compute measurement (default 120)")
     model.set_defaults(run=_model, nprocs=1)
 
 
