@@ -210,6 +210,14 @@ def test_scaling_model_inference_rounds(tmp_path):
     assert "2 rounds alternating" in stdout
 
 
+def test_scaling_one_mode_plots(tmp_path):
+    """--modes strong alone: the report has no weak part and the PNG is still drawn
+    (it once failed looking for the weak part)."""
+    report, _, _ = _bench(tmp_path, "scaling", "--model", "fno2d", "--side", "16",
+                          "--ranks", "1", "--repeats", "1", "--modes", "strong")
+    assert "strong" in report and "weak" not in report
+
+
 def test_scaling_shapes_per_model(capsys):
     from domainpar.bench import scaling
     assert scaling.shapes("unet3d") == ((1, 2, 64, 64, 64), (1, 2, 32, 64, 64))

@@ -287,9 +287,11 @@ def _io(report: dict, plt):
 
 
 def _scaling(report: dict, plt):
-    fig, axes = plt.subplots(2, 2, figsize=(11, 8.5))
+    modes = [m for m in ("strong", "weak") if m in report]  # --modes may run one
+    fig, axes = plt.subplots(2, len(modes), figsize=(5.5 * len(modes) + 0.5, 8.5),
+                             squeeze=False)
     cpus = report.get("cpus") or os.cpu_count()
-    for col, mode in enumerate(("strong", "weak")):
+    for col, mode in enumerate(modes):
         top, bottom = axes[0][col], axes[1][col]
         for name, part in parts(report):
             if mode not in part:
