@@ -75,7 +75,7 @@ def add_parser(subparsers) -> None:
                     "without mpiexec). Prints predicted, median, error, fastest sample and "
                     "the load average of each launch (a warning where the load exceeds the "
                     "cores: timings are then the scheduler's, not the model's); writes "
-                    "JSON. About 15 minutes at the defaults on 2 cores.")
+                    "JSON. About 4 minutes at the defaults on 2 idle cores.")
     v.add_argument("--ranks", type=positive(int), nargs="+", default=[1, 2, 3, 4],
                    help="rank counts (default 1 2 3 4)")
     v.add_argument("--transports", nargs="+", default=["default", "tcp"],
