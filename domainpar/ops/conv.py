@@ -42,7 +42,7 @@ from ..tensor.dispatch import UnsupportedOpError, op_name, register
 from ..tensor.domain_tensor import DomainTensor
 from ..tensor.params import enter_domain
 from . import window
-from .common import autocast_operands, bind
+from .common import autocast_dtype, autocast_operands, bind
 from .common import meta as _meta
 from .onednn import local_conv, local_conv_backward
 
@@ -78,9 +78,8 @@ def _enter(weight, bias, out_dec):
             None if bias is None else enter_domain(bias, out_dec, {}))
 
 
-def _whole_blocks(func, x: DomainTensor, weight, bias, out_shape, *options):
+def _whole_blocks(func, x: DomainTensor, weight, bias, out_dec, *options):
     """Local: no spatial dim is sharded, so torch's op runs on the block as it is."""
-    out_dec = window.out_layout(x._dec, out_shape)
     w, b = _enter(weight, bias, out_dec)
     return DomainTensor(func(x._local, w, b, *options), out_dec)
 
@@ -98,29 +97,71 @@ def _padding(padding, kernel, dilation, nsp):
     return [(p, p) for p in _tuple(padding, nsp)]
 
 
+# -- plans -------------------------------------------------------------------------------------
+def plan_key(func, x: DomainTensor, weight, bias, options: tuple):
+    """Local. Everything a conv's plan (``_conv_plan``, ``_transposed_plan``)
+    depends on: the input's layout and dtype (and autocast's, which the meta call
+    sees), weight and bias shapes and dtypes, the other arguments. None (no
+    caching) for a weight or bias that is not a tensor: torch's error, uncached."""
+    if not isinstance(weight, torch.Tensor) or not isinstance(bias, (torch.Tensor, type(None))):
+        return None
+    return (func, x._dec, x.dtype, autocast_dtype(x._local), weight.shape, weight.dtype,
+            None if bias is None else (bias.shape, bias.dtype), options)
+
+
+def _planned(key, make):
+    return make() if key is None else layout.planned(key, make)
+
+
+@dataclasses.dataclass(frozen=True)
+class _ConvPlan:
+    """What a conv call derives from layouts and arguments alone: its output
+    layout, and (None where no spatial dim is sharded) the spec of its
+    HaloConv and the ghost widths its exchange fills."""
+    out_dec: object
+    spec: _ConvSpec | None = None
+    exchanged: bool = False
+
+
 # -- conv ---------------------------------------------------------------------------------------
+_CONV_ARGS = ("input", "weight", "bias", "stride", "padding", "dilation", "groups")
+
+
 @register(*_CONV)
 def conv(func, args, kwargs):
     """Neighbour-wise collective (halo fill). Sharded on batch and spatial dims; any
     stride, dilation, groups, padding (ints, tuples, 'same', 'valid')."""
     nsp = _CONV[func]
-    a = bind(func, args, kwargs, ("input", "weight", "bias", "stride", "padding", "dilation",
-                                  "groups"),
+    a = bind(func, args, kwargs, _CONV_ARGS,
              {"stride": 1, "padding": 0, "dilation": 1, "groups": 1})
     x, weight, bias = a["input"], a["weight"], a["bias"]
     check_operands(func, x, weight, bias, nsp)
-    stride, dilation = _tuple(a["stride"], nsp), _tuple(a["dilation"], nsp)
-    # torch's own checks and output shape, from global shapes on every rank alike
-    out_shape = tuple(func(_meta(x), _meta(weight), _meta(bias), a["stride"], a["padding"],
-                           a["dilation"], a["groups"]).shape)
+    options = tuple(a[n] for n in _CONV_ARGS[3:])
+    plan = _planned(plan_key(func, x, weight, bias, options),
+                    lambda: _conv_plan(func, x, weight, bias, options, nsp))
+    if plan.spec is None:
+        return _whole_blocks(func, x, weight, bias, plan.out_dec, *options)
+    # Under autocast, cast as autocast would: HaloConv's backward runs outside it.
+    block, w, b = autocast_operands(x._local, *_enter(weight, bias, plan.out_dec))
+    dec, spec = x._dec, plan.spec
+    halo = None
+    if plan.exchanged:
+        halo = window.exchange(dec, dict(spec.widths), {d: False for d in dec.shard})
+    return DomainTensor(HaloConv.apply(block, w, b, halo, spec), plan.out_dec)
+
+
+def _conv_plan(func, x: DomainTensor, weight, bias, options: tuple, nsp: int) -> _ConvPlan:
+    """Local. torch's own checks and output shape (from global shapes on the meta
+    device, on every rank alike), the output layout, and the HaloConv spec."""
+    stride_a, padding_a, dilation_a, groups = options
+    out_shape = tuple(func(_meta(x), _meta(weight), _meta(bias), *options).shape)
     dec = x._dec
     spatial = [d for d in range(2, x.ndim) if d in dec.shard]
     if not spatial:
-        return _whole_blocks(func, x, weight, bias, out_shape, a["stride"], a["padding"],
-                             a["dilation"], a["groups"])
-
+        return _ConvPlan(window.out_layout(dec, out_shape))
+    stride, dilation = _tuple(stride_a, nsp), _tuple(dilation_a, nsp)
     kernel = tuple(weight.shape[2:])
-    pads = _padding(a["padding"], kernel, dilation, nsp)
+    pads = _padding(padding_a, kernel, dilation, nsp)
     plans, torch_pads = {}, []
     for i, d in enumerate(range(2, x.ndim)):
         if d in spatial or pads[i][0] != pads[i][1]:
@@ -130,17 +171,12 @@ def conv(func, args, kwargs):
         else:  # a whole dim with symmetric padding: torch pads it, cheaper in backward
             torch_pads.append(pads[i][0])
     out_dec = window.out_layout(dec, out_shape, plans)
-    # Under autocast, cast as autocast would: HaloConv's backward runs outside it.
-    block, w, b = autocast_operands(x._local, *_enter(weight, bias, out_dec))
     widths = {d: (p.lo, p.hi) for d, p in plans.items() if p.lo or p.hi}
-    halo = None
-    if any(d in dec.shard for d in widths):
-        halo = window.exchange(dec, widths, {d: False for d in dec.shard})
     windows = {d: p.window(window.coordinate(dec, d)) for d, p in plans.items()}
-    spec = _ConvSpec(func, tuple(stride), tuple(torch_pads), tuple(dilation), a["groups"],
+    spec = _ConvSpec(func, tuple(stride), tuple(torch_pads), tuple(dilation), groups,
                      tuple(sorted(widths.items())), tuple(sorted(windows.items())),
                      out_dec.local_shape())
-    return DomainTensor(HaloConv.apply(block, w, b, halo, spec), out_dec)
+    return _ConvPlan(out_dec, spec, any(d in dec.shard for d in widths))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -370,40 +406,53 @@ def transposed_plan(n: int, in_sizes: tuple[int, ...], m: int, kernel: int, stri
                                out_offsets=spill.in_offsets)
 
 
+def _transposed_plan(func, x: DomainTensor, weight, bias, options: tuple):
+    """Local. torch's own checks and output shape (meta device, global shapes), the
+    output layout and the ``transposed_plan`` of each sharded spatial dim ({} when
+    none is sharded)."""
+    nsp = _CONV_T[func]
+    out_shape = tuple(func(_meta(x), _meta(weight), _meta(bias), *options).shape)
+    dec = x._dec
+    stride_a, padding_a, _, _, dilation_a = options
+    stride, dilation = _tuple(stride_a, nsp), _tuple(dilation_a, nsp)
+    padding, kernel = _tuple(padding_a, nsp), tuple(weight.shape[2:])
+    plans = {}
+    for i, d in enumerate(range(2, x.ndim)):
+        if d in dec.shard:
+            plans[d] = transposed_plan(x.shape[d], dec.block_sizes(d), out_shape[d], kernel[i],
+                                       stride[i], dilation[i], padding[i])
+    return window.out_layout(dec, out_shape, plans), plans
+
+
+_CONV_T_ARGS = ("input", "weight", "bias", "stride", "padding", "output_padding", "groups",
+                "dilation")
+
+
 @register(*_CONV_T)
 def conv_transpose(func, args, kwargs):
     """Neighbour-wise collective (halo accumulate). Sharded on batch and spatial dims;
     any stride, padding, output_padding, dilation and groups."""
     nsp = _CONV_T[func]
-    a = bind(func, args, kwargs, ("input", "weight", "bias", "stride", "padding",
-                                  "output_padding", "groups", "dilation"),
+    a = bind(func, args, kwargs, _CONV_T_ARGS,
              {"stride": 1, "padding": 0, "output_padding": 0, "groups": 1, "dilation": 1})
     x, weight, bias = a["input"], a["weight"], a["bias"]
     check_operands(func, x, weight, bias, nsp)
-    out_shape = tuple(func(_meta(x), _meta(weight), _meta(bias), a["stride"], a["padding"],
-                           a["output_padding"], a["groups"], a["dilation"]).shape)
+    options = tuple(a[n] for n in _CONV_T_ARGS[3:])
+    out_dec, plans = _planned(plan_key(func, x, weight, bias, options),
+                              lambda: _transposed_plan(func, x, weight, bias, options))
+    if not plans:
+        return _whole_blocks(func, x, weight, bias, out_dec, *options)
     dec = x._dec
-    spatial = [d for d in range(2, x.ndim) if d in dec.shard]
-    if not spatial:
-        return _whole_blocks(func, x, weight, bias, out_shape, a["stride"], a["padding"],
-                             a["output_padding"], a["groups"], a["dilation"])
-
     stride, dilation = _tuple(a["stride"], nsp), _tuple(a["dilation"], nsp)
     padding, out_pad = list(_tuple(a["padding"], nsp)), list(_tuple(a["output_padding"], nsp))
-    kernel = tuple(weight.shape[2:])
-    plans = {}
-    for i, d in enumerate(range(2, x.ndim)):
-        if d in spatial:
-            plans[d] = transposed_plan(x.shape[d], dec.block_sizes(d), out_shape[d], kernel[i],
-                                        stride[i], dilation[i], padding[i])
-            padding[i] = out_pad[i] = 0  # the sharded dims are cut to size below
-    out_dec = window.out_layout(dec, out_shape, plans)
+    for d in plans:
+        padding[d - 2] = out_pad[d - 2] = 0  # the sharded dims are cut to size below
     # Under autocast, cast as autocast would: the bias is added after torch's op.
     local, w, b = autocast_operands(x._local, *_enter(weight, bias, out_dec))
 
     # This rank's contributions, placed in its output block padded by the spill widths.
     padded_shape = list(local.shape[:2]) + list(out_dec.local_shape()[2:])
-    padded_shape[1] = out_shape[1]
+    padded_shape[1] = out_dec.global_shape[1]
     for d, p in plans.items():
         padded_shape[d] += p.lo + p.hi
     if 0 in local.shape[2:]:

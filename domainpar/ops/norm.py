@@ -62,6 +62,7 @@ before any message.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 
@@ -141,6 +142,19 @@ def _member_counts(dec: Decomposition, dims, comm: MPI.Cartcomm, base: int) -> l
             n *= dec.block_sizes(d)[coords[axes.index(dec.shard[d])]]
         counts.append(n)
     return counts
+
+
+def _statistics_plan(dec: Decomposition, dims) -> tuple[MPI.Cartcomm, tuple[int, ...]]:
+    """Collective on the first use of the sub-communicator. The communicator over
+    the axes that cut the reduced ``dims`` and each member's element count over
+    them (``_member_counts``): planned per layout and dims."""
+    dims = tuple(dims)
+
+    def make():
+        comm = layout.comm_of(dec, dims)
+        base = math.prod(dec.global_shape[d] for d in dims if d not in dec.shard)
+        return comm, tuple(_member_counts(dec, dims, comm, base))
+    return layout.planned(("norm_statistics", dec, dims), make)
 
 
 def _rows(t: torch.Tensor, comm: MPI.Comm, differentiable: bool) -> torch.Tensor:
@@ -338,9 +352,7 @@ def batch_norm(func, args, kwargs):
             None if bias is None else bias.reshape(-1), False, momentum, eps), weight, bias), dec)
 
     dims = [0] + list(range(2, nd))
-    comm = layout.comm_of(dec, dims)
-    base = math.prod(dec.global_shape[d] for d in dims if d not in dec.shard)
-    counts = _member_counts(dec, dims, comm, base)
+    comm, counts = _statistics_plan(dec, dims)
     out, mean, m2, n = normalize(local, dims, comm, counts, eps, weight, bias)
     if rm is not None or rv is not None:
         stats = torch.stack([mean.detach().reshape(-1), m2.detach().reshape(-1) / max(n - 1, 1)])
@@ -378,9 +390,7 @@ def instance_norm(func, args, kwargs):
             None if bias is None else bias.reshape(-1), use_input_stats, momentum, eps),
             weight, bias), dec)
 
-    comm = layout.comm_of(dec, spatial)
-    base = math.prod(dec.global_shape[d] for d in spatial if d not in dec.shard)
-    counts = _member_counts(dec, spatial, comm, base)
+    comm, counts = _statistics_plan(dec, spatial)
     out, mean, m2, n = normalize(local, spatial, comm, counts, eps, weight, bias)
     if tracked:
         # torch: the batch average of the per-instance (mean, unbiased variance).
@@ -401,33 +411,52 @@ def group_norm(func, args, kwargs):
     a = bind(func, args, kwargs, ("input", "num_groups", "weight", "bias", "eps"), {"eps": 1e-5})
     x, groups, w, b, eps = a["input"], a["num_groups"], a["weight"], a["bias"], a["eps"]
     _check_operands(func, x, weight=w, bias=b)
-    torch_checks(func, x, groups, w, b, eps)
     dec, local, nd = x._dec, x._local, x.ndim
+    key = ("group_norm", dec, _signature(x), groups, _signature(w), _signature(b), eps)
+    plan = layout.planned(key, lambda: _group_plan(func, x, groups, w, b, eps))
+    weight, bias = _channel_params(dec, w, b, nd)
+    if plan.comm is None:
+        return DomainTensor(_empty_or(local, lambda: func(
+            local, plan.local_groups, None if weight is None else weight.reshape(-1),
+            None if bias is None else bias.reshape(-1), eps), weight, bias), dec)
+    # (N, G, C/G, spatial...): statistics per (sample, group) over dims 2.. of the view.
+    view = local.reshape(plan.view_shape)
+    wv = None if weight is None else weight.reshape(plan.param_shape)
+    bv = None if bias is None else bias.reshape(plan.param_shape)
+    out, _, _, _ = normalize(view, range(2, nd + 1), plan.comm, plan.counts, eps, wv, bv)
+    return DomainTensor(out.reshape(local.shape), dec)
+
+
+@dataclasses.dataclass(frozen=True)
+class _GroupPlan:
+    local_groups: int
+    comm: MPI.Cartcomm | None = None  # None: no spatial dim is cut, torch's kernel on the block
+    counts: tuple[int, ...] = ()
+    view_shape: tuple[int, ...] = ()
+    param_shape: tuple[int, ...] = ()
+
+
+def _group_plan(func, x: DomainTensor, groups, w, b, eps) -> _GroupPlan:
+    """Local (collective on the first use of a sub-communicator). torch's checks, the
+    refusal of split groups, and the statistics' communicator, member counts and
+    shapes: from the layout and arguments alone."""
+    torch_checks(func, x, groups, w, b, eps)
+    dec, nd = x._dec, x.ndim
     per_group = x.shape[1] // groups
     if 1 in dec.shard and any(s % per_group for s in dec.block_sizes(1)):
         raise UnsupportedOpError(
             f"{op_name(func)}: the channel dim 1 is sharded into blocks {dec.block_sizes(1)} "
             f"that split groups of {per_group} channels ({layout.sharded_dims_text(dec)}); "
             f"give every block a multiple of {per_group} channels or keep channels whole")
-    weight, bias = _channel_params(dec, w, b, nd)
-    local_groups = local.shape[1] // per_group
+    local_shape = dec.local_shape()
+    local_groups = local_shape[1] // per_group
     spatial = list(range(2, nd))
     if not any(d in dec.shard for d in spatial):
-        return DomainTensor(_empty_or(local, lambda: func(
-            local, local_groups, None if weight is None else weight.reshape(-1),
-            None if bias is None else bias.reshape(-1), eps), weight, bias), dec)
-
-    # (N, G, C/G, spatial...): statistics per (sample, group) over dims 2.. of the view.
-    view = local.reshape((local.shape[0], local_groups, per_group) + tuple(local.shape[2:]))
-    dims = list(range(2, nd + 1))
-    comm = layout.comm_of(dec, spatial)
-    base = per_group * math.prod(dec.global_shape[d] for d in spatial if d not in dec.shard)
-    counts = _member_counts(dec, spatial, comm, base)
-    pshape = (1, local_groups, per_group) + (1,) * (nd - 2)
-    wv = None if weight is None else weight.reshape(pshape)
-    bv = None if bias is None else bias.reshape(pshape)
-    out, _, _, _ = normalize(view, dims, comm, counts, eps, wv, bv)
-    return DomainTensor(out.reshape(local.shape), dec)
+        return _GroupPlan(local_groups)
+    comm, counts = _statistics_plan(dec, spatial)  # counts of cells: per_group values each
+    return _GroupPlan(local_groups, comm, tuple(per_group * n for n in counts),
+                      (local_shape[0], local_groups, per_group) + tuple(local_shape[2:]),
+                      (1, local_groups, per_group) + (1,) * (nd - 2))
 
 
 # -- layer_norm -------------------------------------------------------------------------------
@@ -451,8 +480,6 @@ def layer_norm(func, args, kwargs):
     if not sliced:
         return DomainTensor(_empty_or(local, lambda: func(local, shape, weight, bias, eps),
                                       weight, bias), dec)
-    comm = layout.comm_of(dec, dims)
-    base = math.prod(dec.global_shape[d] for d in dims if d not in dec.shard)
-    counts = _member_counts(dec, dims, comm, base)
+    comm, counts = _statistics_plan(dec, dims)
     out, _, _, _ = normalize(local, dims, comm, counts, eps, weight, bias)
     return DomainTensor(out, dec)
