@@ -10,6 +10,8 @@ from mpi4py import MPI
 
 import domainpar as dp
 from domainpar.bench import settings
+from domainpar.ops import conv as conv_ops
+from domainpar.ops import norm as norm_ops
 from domainpar.tensor import layout as plans
 from domainpar.testing import assert_matches_single_process, check_on_every_rank
 from tensor_cases import CASES, global_tensor, layout, sizes_for
@@ -79,16 +81,21 @@ def test_second_call_hits_and_gives_the_same_bits(grid_ndim, kind):
     """A repeated step makes no plan (misses stay, hits grow) and its blocks are
     bitwise those of the first step and of a step with the cache off."""
     grid, shard, sizes = layout(SHAPE, SHARD_DIMS, grid_ndim, kind)
-    a, b = global_tensor(SHAPE, seed=3), global_tensor(SHAPE, seed=4)
-    other = _other_sizes(grid, shard, kind)
+    _check_hits(mixed, grid, shard, sizes, _other_sizes(grid, shard, kind), seeds=(3, 4))
+
+
+def _check_hits(fn, grid, shard, sizes, other, seeds):
+    """Collective. Two steps of ``fn`` with the cache on, one with it off: the
+    second makes no plan and finds every one, and all three give the same bits."""
+    a, b = global_tensor(SHAPE, seed=seeds[0]), global_tensor(SHAPE, seed=seeds[1])
     plans.set_plan_cache(True)
     plans.clear_plan_cache()
-    first = _run(mixed, a, b, grid, shard, sizes, other)
+    first = _run(fn, a, b, grid, shard, sizes, other)
     made = plans.plan_cache_stats()
-    second = _run(mixed, a, b, grid, shard, sizes, other)
+    second = _run(fn, a, b, grid, shard, sizes, other)
     again = plans.plan_cache_stats()
     plans.set_plan_cache(False)
-    off = _run(mixed, a, b, grid, shard, sizes, other)
+    off = _run(fn, a, b, grid, shard, sizes, other)
     check_on_every_rank(made["misses"] > 0 and made["size"] > 0, "the first step makes plans")
     check_on_every_rank(again["misses"] == made["misses"], f"a repeated step makes no plan: "
                         f"{made} then {again}")
@@ -147,3 +154,82 @@ def test_switch_and_compare_setting():
     hits = plans.plan_cache_stats()["hits"]
     x + 1
     assert plans.plan_cache_stats()["hits"] > hits
+
+
+# -- convs and norms -----------------------------------------------------------------------------
+CONV_SHARD_DIMS = (2, 3, 0)  # H, W and (3-D grids) N: a conv needs whole channels
+
+
+class ConvNorm(torch.nn.Module):
+    """Convs and norms whose plans differ only in what the key must hold: stride 1
+    and 2, padding (ints, 'same' with an even kernel), dilation, groups, a
+    transposed conv with output_padding, GroupNorm with 1 and 3 groups."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(11)  # the same parameters on every rank
+        c = SHAPE[1]
+        self.plain = torch.nn.Conv2d(c, c, 3, padding=1, dtype=torch.float64)
+        self.strided = torch.nn.Conv2d(c, c, 3, stride=2, padding=1, dtype=torch.float64)
+        self.dilated = torch.nn.Conv2d(c, c, 3, padding=2, dilation=2, dtype=torch.float64)
+        self.grouped = torch.nn.Conv2d(c, c, 3, padding=1, groups=c, bias=False,
+                                       dtype=torch.float64)
+        self.same = torch.nn.Conv2d(c, c, (3, 2), padding="same", dtype=torch.float64)
+        self.up = torch.nn.ConvTranspose2d(c, c, 3, stride=2, padding=1, output_padding=(0, 1),
+                                           dtype=torch.float64)
+        self.one_group = torch.nn.GroupNorm(1, c, dtype=torch.float64)
+        self.per_channel = torch.nn.GroupNorm(c, c, affine=False, dtype=torch.float64)
+
+    def forward(self, x):
+        y = self.one_group(self.plain(x))
+        z = self.strided(x)                     # another layout: blocks of ceil(offset / 2)
+        y = y + self.dilated(y) + self.per_channel(self.grouped(y)) + self.same(x)
+        return y + self.up(torch.tanh(z))       # back to x's shape, repartitioned
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("grid_ndim,kind", CASES)
+def test_convs_and_norms_cache_on_and_off_match_one_process(grid_ndim, kind):
+    """One model on inputs of one global shape cut at other boundaries, with the
+    cache on and off: each gives one process's output and gradients."""
+    grid, shard, sizes = layout(SHAPE, CONV_SHARD_DIMS, grid_ndim, kind)
+    x = global_tensor(SHAPE, seed=9)
+    model = ConvNorm()
+    for on in (True, False, True):
+        plans.set_plan_cache(on)
+        for cut in (sizes, _other_sizes(grid, shard, kind)):
+            assert_matches_single_process(model, (x,), grid, shard, sizes=cut)
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("grid_ndim,kind", CASES)
+def test_repeated_conv_norm_step_hits(grid_ndim, kind, monkeypatch):
+    """A repeated step of convs and norms on two layouts derives no conv or group
+    norm plan again (their makers are not called) and gives the same bits as
+    the first step and as a step with the cache off."""
+    grid, shard, sizes = layout(SHAPE, CONV_SHARD_DIMS, grid_ndim, kind)
+    model = ConvNorm()
+    made = {"conv": 0, "group": 0}
+    for name, attr in (("conv", "_conv_plan"), ("group", "_group_plan")):
+        module = conv_ops if name == "conv" else norm_ops
+        real = getattr(module, attr)
+        monkeypatch.setattr(module, attr, _counting(real, made, name))
+    plans.set_plan_cache(True)
+    plans.clear_plan_cache()
+    _run(lambda x, y: model(x) * model(y), global_tensor(SHAPE, seed=12),
+         global_tensor(SHAPE, seed=13), grid, shard, sizes, _other_sizes(grid, shard, kind))
+    first = dict(made)
+    _check_hits(lambda x, y: model(x) * model(y), grid, shard, sizes,
+                _other_sizes(grid, shard, kind), seeds=(12, 13))
+    check_on_every_rank(first["conv"] > 0 and first["group"] > 0, f"plans made: {first}")
+    # _check_hits empties the cache: its first step makes them again, its second
+    # none, its uncached step its own
+    check_on_every_rank(made == {k: 3 * v for k, v in first.items()},
+                        f"only the uncached step makes plans again: {first} then {made}")
+
+
+def _counting(real, made, name):
+    def counted(*args):
+        made[name] += 1
+        return real(*args)
+    return counted
