@@ -218,6 +218,23 @@ def test_scaling_one_mode_plots(tmp_path):
     assert "strong" in report and "weak" not in report
 
 
+def test_scaling_contention(tmp_path):
+    """--contention: beside each multi-rank step, the blocks' one-rank steps run all at
+    once ("together"); the report keeps their samples and the efficiency against them,
+    and a 1-rank point has none."""
+    report, stdout, _ = _bench(tmp_path, "scaling", "--model", "fno2d", "--side", "16",
+                               "--ranks", "1", "2", "--repeats", "2", "--contention")
+    assert report["contention"] is True
+    for mode in ("strong", "weak"):
+        one, two = report[mode]["points"]["1"], report[mode]["points"]["2"]
+        assert "together_step_s" not in one
+        assert len(two["together_samples_s"]) == 2
+        assert min(two["together_samples_s"]) <= two["together_step_s"]
+        assert two["efficiency_vs_together"] == pytest.approx(
+            two["together_step_s"] / two["median_step_s"])
+    assert "eff. vs together" in stdout
+
+
 def test_scaling_shapes_per_model(capsys):
     from domainpar.bench import scaling
     assert scaling.shapes("unet3d") == ((1, 2, 64, 64, 64), (1, 2, 32, 64, 64))

@@ -72,7 +72,8 @@ def _bench_scaling(args) -> int:
     scaling.run(nprocs=args.nprocs, ranks=args.ranks, strong_shape=shapes[0],
                 weak_block=shapes[1], repeats=args.repeats, width=args.width,
                 levels=args.levels, modes=args.modes, out=args.out, compare=args.compare,
-                model=args.model, inference=args.inference, rounds=args.rounds)
+                model=args.model, inference=args.inference, rounds=args.rounds,
+                contention=args.contention)
     return 0
 
 
@@ -308,6 +309,12 @@ def add_parser(subparsers) -> None:
     scaling.add_argument("--inference", action="store_true",
                          help="time one forward in eval mode under torch.no_grad (no loss, "
                               "no backward) instead of a training step")
+    scaling.add_argument("--contention", action="store_true",
+                         help="also time, beside each multi-rank step, every rank running "
+                              "the step on a block of its size over a one-rank grid, all at "
+                              "once and with no messages: what the machine's shared caches "
+                              "and memory bandwidth cost; efficiency against it is "
+                              "domainpar's own share (doubles the run time)")
     scaling.add_argument("--side", type=positive(int), default=None,
                          help="the field's side S: strong scaling's global field is "
                               "1x2xSxSxS (unet3d, resnet3d) or 1x1xSxS (vit2d, fno2d), weak "

@@ -89,22 +89,37 @@ def model_step(grid, shape, model: str = "unet3d", width: int = 4, levels: int =
 
 
 def time_step(comm, shape, repeats: int, width: int = 4, levels: int = 4, warmup: int = 1,
-              progress=None, model: str = "unet3d", inference: bool = False) -> dict:
+              progress=None, model: str = "unet3d", inference: bool = False,
+              contention: bool = False) -> dict:
     """Collective. The median step (the slowest rank's, between barriers) on
-    ``shape`` sharded over all ranks of ``comm``, and its samples."""
+    ``shape`` sharded over all ranks of ``comm``, and its samples. With
+    ``contention`` (and more than one rank), interleaved with it: every rank
+    runs the same step on a block of its own size over a one-rank grid, all
+    ranks at once, no message between them ("together"): the step each block
+    takes while the other ranks load the machine's shared caches and memory."""
+    from mpi4py import MPI
+
     from ..comm import ProcessGrid
     from .timing import interleaved, median
     step, local = model_step(ProcessGrid((comm.Get_size(),), comm=comm), shape, model, width,
                              levels, inference)
-    samples = interleaved(comm, {"step": step}, repeats, warmup=warmup,
-                          progress=progress)["step"]
-    return {"ranks": comm.Get_size(), "global_shape": list(shape), "local_shape": list(local),
-            "median_step_s": median(samples), "samples_s": samples}
+    paths = {"step": step}
+    if contention and comm.Get_size() > 1:
+        paths["together"] = model_step(ProcessGrid((1,), comm=MPI.COMM_SELF), local, model,
+                                       width, levels, inference)[0]
+    samples = interleaved(comm, paths, repeats, warmup=warmup, progress=progress)
+    out = {"ranks": comm.Get_size(), "global_shape": list(shape), "local_shape": list(local),
+           "median_step_s": median(samples["step"]), "samples_s": samples["step"]}
+    if "together" in samples:
+        out.update(together_step_s=median(samples["together"]),
+                   together_samples_s=samples["together"])
+    return out
 
 
 def measure(comm, strong_shape=DEFAULT_STRONG_SHAPE, weak_block=DEFAULT_WEAK_BLOCK,
             repeats: int = 5, width: int = 4, levels: int = 4, modes=MODES,
-            label: str = "", model: str = "unet3d", inference: bool = False) -> dict:
+            label: str = "", model: str = "unet3d", inference: bool = False,
+            contention: bool = False) -> dict:
     """Collective. ``time_step`` in each mode at this communicator's rank count:
     strong, the fixed global ``strong_shape``; weak, ``weak_block`` per rank."""
     from ..progress import Progress
@@ -115,7 +130,7 @@ def measure(comm, strong_shape=DEFAULT_STRONG_SHAPE, weak_block=DEFAULT_WEAK_BLO
         bar = Progress(repeats, f"{label}{mode} scaling, {comm.Get_size()} rank(s), steps",
                        comm=comm)
         out[mode] = time_step(comm, shape, repeats, width, levels, progress=bar, model=model,
-                              inference=inference)
+                              inference=inference, contention=contention)
         bar.close()
     return out
 
@@ -139,6 +154,8 @@ def _efficiencies(points: dict, mode: str) -> None:
         n, t = p["ranks"], p["median_step_s"]
         p["speedup"] = t0 / t if mode == "strong" else n * t0 / (n0 * t)
         p["efficiency"] = n0 * t0 / (n * t) if mode == "strong" else t0 / t
+        if "together_step_s" in p:  # domainpar's own share, the machine's contention aside
+            p["efficiency_vs_together"] = p["together_step_s"] / t
 
 
 def _figures(jobs_by_count: dict, modes) -> dict:
@@ -160,6 +177,9 @@ def _pool(jobs: list, modes) -> dict:
         samples = [t for job in jobs for t in job[mode]["samples_s"]]
         out[mode] = {**jobs[0][mode], "samples_s": samples, "median_step_s": median(samples),
                      "job_medians_s": [job[mode]["median_step_s"] for job in jobs]}
+        if "together_samples_s" in jobs[0][mode]:
+            together = [t for job in jobs for t in job[mode]["together_samples_s"]]
+            out[mode].update(together_samples_s=together, together_step_s=median(together))
     return out
 
 
@@ -177,7 +197,8 @@ def _header(model, width, levels, inference, modes, counts, repeats, rounds, ove
 def run(nprocs: int | None = None, ranks=None, strong_shape=None, weak_block=None,
         repeats: int = 5, width: int = 4, levels: int = 4, modes=MODES,
         out: str = "bench-out/scaling.json", log=print, compare=None, model: str = "unet3d",
-        side: int | None = None, inference: bool = False, rounds: int = 1) -> dict:
+        side: int | None = None, inference: bool = False, rounds: int = 1,
+        contention: bool = False) -> dict:
     """Launch one job per rank count (and configuration, alternating A and B;
     ``rounds`` times, alternating rank counts), print a table, write JSON and
     PNG to ``out``. Shapes: ``shapes(model, side, strong_shape, weak_block)``."""
@@ -199,7 +220,8 @@ def run(nprocs: int | None = None, ranks=None, strong_shape=None, weak_block=Non
     worker = ["--worker", "--model", model, "--strong-shape", *map(str, strong_shape),
               "--weak-block", *map(str, weak_block), "--repeats", str(repeats),
               "--width", str(width), "--levels", str(levels), "--modes", *modes,
-              *(["--inference"] if inference else [])]
+              *(["--inference"] if inference else []),
+              *(["--contention"] if contention else [])]
     jobs: dict[str, dict[int, list]] = {name: {n: [] for n in counts} for name in configs}
     load = [os.getloadavg()]  # a shared machine's other load slows collectives most
     bar = Progress(rounds * len(counts) * len(configs), "bench scaling jobs")
@@ -226,7 +248,7 @@ def run(nprocs: int | None = None, ranks=None, strong_shape=None, weak_block=Non
                     "loadavg_start": list(load[0]), "loadavg_end": list(load[1])},
         "host": platform.node(), "cpus": cpus, "oversubscribed_rank_counts": over,
         "loadavg_start_end": load, "sharded_dim": SHARDED_DIM,
-        "torch_threads_per_rank": 1, "repeats": repeats,
+        "torch_threads_per_rank": 1, "repeats": repeats, "contention": contention,
         "configurations": configurations(compare, mpiexec_env()),
         **_figures(results["A"], modes)}
     for mode, shape in (("strong", strong_shape), ("weak", weak_block)):
@@ -245,8 +267,10 @@ def run(nprocs: int | None = None, ranks=None, strong_shape=None, weak_block=Non
 def _print(report: dict, modes, log) -> None:
     from .settings import parts, ratio_line
     configs = parts(report)
+    together = report.get("contention")
     log(f"\n{'':>2} {'mode':<6} {'ranks':>5} {'block per rank':>18} {'median step s':>13} "
-        f"{'min-max s':>13} {'speedup':>8} {'efficiency':>10}")
+        f"{'min-max s':>13} {'speedup':>8} {'efficiency':>10}"
+        + (f" {'together s':>10} {'eff. vs together':>16}" if together else ""))
     for mode in modes:
         for n in report[mode]["points"]:
             for name, part in configs:
@@ -255,16 +279,28 @@ def _print(report: dict, modes, log) -> None:
                 log(f"{name if len(configs) > 1 else '':>2} {mode:<6} {n:>5} "
                     f"{'x'.join(map(str, p['local_shape'])):>18} {p['median_step_s']:13.3f} "
                     f"{min(p['samples_s']):6.3f}-{max(p['samples_s']):6.3f} "
-                    f"{p['speedup']:8.2f} {p['efficiency']:10.2f}{note}")
+                    f"{p['speedup']:8.2f} {p['efficiency']:10.2f}"
+                    + (_together_columns(p) if together else "") + note)
     if "ratio_B_over_A" in report:
         for mode in modes:
             log(ratio_line(f"{mode} step (per rank count)", report["ratio_B_over_A"][mode]))
+    if together:
+        log("together: every rank runs the step on a block of its size over a one-rank grid, "
+            "all at once, no messages (the machine's shared caches and memory loaded as in "
+            "the sharded run); eff. vs together = together / sharded step: domainpar's own "
+            "share of the loss.")
     machine = report["machine"]
     log(f"{report['model_config']}, {report['mode']} ({report['step']}). Speedup: strong "
         f"T1 / Tn, weak n T1 / Tn; efficiency: strong T1 / (n Tn), weak T1 / Tn (T1: "
         f"{min(report['rank_counts'])} rank(s)); {machine['cores']} cores on "
         f"{machine['host']}, load average {machine['loadavg_start'][0]:.1f} at the start, "
         f"{machine['loadavg_end'][0]:.1f} at the end.")
+
+
+def _together_columns(point: dict) -> str:
+    if "together_step_s" not in point:
+        return f" {'-':>10} {'-':>16}"
+    return f" {point['together_step_s']:10.3f} {point['efficiency_vs_together']:16.2f}"
 
 
 # -- worker entry point ---------------------------------------------------------------------------
@@ -274,6 +310,7 @@ def _worker_main(argv=None) -> int:
     parser.add_argument("--worker", action="store_true", required=True)
     parser.add_argument("--model", choices=MODELS, required=True)
     parser.add_argument("--inference", action="store_true")
+    parser.add_argument("--contention", action="store_true")
     parser.add_argument("--strong-shape", type=int, nargs="+", required=True)
     parser.add_argument("--weak-block", type=int, nargs="+", required=True)
     parser.add_argument("--repeats", type=int, required=True)
@@ -288,7 +325,8 @@ def _worker_main(argv=None) -> int:
     comm = init()
     return jobs.run_worker(args, lambda: measure(
         comm, args.strong_shape, args.weak_block, args.repeats, args.width, args.levels,
-        args.modes, label=args.label, model=args.model, inference=args.inference))
+        args.modes, label=args.label, model=args.model, inference=args.inference,
+        contention=args.contention))
 
 
 if __name__ == "__main__":
