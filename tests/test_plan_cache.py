@@ -223,8 +223,10 @@ def test_repeated_conv_norm_step_hits(grid_ndim, kind, monkeypatch):
                 _other_sizes(grid, shard, kind), seeds=(12, 13))
     check_on_every_rank(first["conv"] > 0 and first["group"] > 0, f"plans made: {first}")
     # _check_hits empties the cache: its first step makes them again, its second
-    # none, its uncached step its own
-    check_on_every_rank(made == {k: 3 * v for k, v in first.items()},
+    # none, its uncached step one per call. On one rank both cuts are the same
+    # layout, so the first steps plan one layout and the uncached step both.
+    calls = 2 if grid.comm.Get_size() == 1 else 1
+    check_on_every_rank(made == {k: (2 + calls) * v for k, v in first.items()},
                         f"only the uncached step makes plans again: {first} then {made}")
 
 
