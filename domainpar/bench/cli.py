@@ -10,6 +10,7 @@ import sys
 
 from ..launch import positive, under_launcher
 from . import settings
+from .step import DEFAULT_MODELS, MODELS  # torch-free at import, as --help needs
 
 
 def _bench_halo(args) -> int:
@@ -301,8 +302,7 @@ def add_parser(subparsers) -> None:
                               f"core count, {os.cpu_count()} here)")
     scaling.add_argument("--ranks", type=positive(int), nargs="+", default=None,
                          help="the rank counts to run instead (e.g. 1 2 3 4)")
-    scaling.add_argument("--model", choices=["unet3d", "vit2d", "fno2d", "resnet3d"],
-                         default="unet3d",
+    scaling.add_argument("--model", choices=MODELS, default="unet3d",
                          help="the model (default unet3d; resnet3d: a norm-free 3-D ResNet "
                               "of width 2 x --width and --levels - 1 residual blocks, whose "
                               "conv chains --compare DOMAINPAR_FUSE_HALOS=1 fuses)")
@@ -446,8 +446,7 @@ def _add_step(bench_sub) -> None:
                     "Prints tables; writes JSON and a stacked-bar PNG (docs/benchmarks.md).")
     step.add_argument("--ranks", type=positive(int), nargs="+", default=[1, 2, 4],
                       help="rank counts, one job each (default 1 2 4)")
-    step.add_argument("--models", nargs="+", choices=["unet3d", "vit2d", "fno2d", "resnet3d"],
-                      default=["unet3d", "vit2d", "fno2d"],
+    step.add_argument("--models", nargs="+", choices=MODELS, default=list(DEFAULT_MODELS),
                       help="models (default: unet3d vit2d fno2d; resnet3d, a norm-free 3-D "
                            "ResNet on the UNet's field, is the one whose conv chains "
                            "fuse)")

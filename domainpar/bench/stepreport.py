@@ -9,10 +9,10 @@ import tempfile
 from collections.abc import Mapping
 from pathlib import Path
 
-from .step import DEFAULT_RANKS, MODELS, PARTS, SHARDED_DIM
+from .step import DEFAULT_MODELS, DEFAULT_RANKS, PARTS, SHARDED_DIM
 
 
-def run(ranks=DEFAULT_RANKS, models=MODELS, unet_side: int = 64, field_side: int = 128,
+def run(ranks=DEFAULT_RANKS, models=DEFAULT_MODELS, unet_side: int = 64, field_side: int = 128,
         levels: int = 4, repeats: int = 3, out: str = "bench-out/step.json", log=print,
         compare=None) -> dict:
     """Local (launches one job per rank count and configuration, alternating A
