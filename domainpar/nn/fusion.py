@@ -47,7 +47,7 @@ from .. import autograd as ag
 from ..comm.errors import agree, signature_of
 from ..ops import window
 from ..ops.common import autocast_operands
-from ..ops.conv import HaloConv, _ConvSpec  # the unfused conv's Function, run with no halo
+from ..ops.conv import HaloConv, _ConvSpec, padding_pairs  # the unfused conv's Function, no halo
 from ..tensor.dispatch import UnsupportedOpError
 from ..tensor.domain_tensor import DomainTensor
 from ..tensor.params import enter_domain
@@ -146,12 +146,7 @@ def _classify(module: torch.nn.Module, node: torch.fx.Node) -> tuple[str, Any]:
 # -- the plan for one layout -------------------------------------------------------------
 def _pads(conv: Any) -> list[tuple[int, int]]:
     """(lo, hi) per spatial dim, as torch resolves the conv's padding."""
-    reach = [d * (k - 1) for k, d in zip(conv.kernel_size, conv.dilation)]
-    if conv.padding == "same":
-        return [(r // 2, r - r // 2) for r in reach]
-    if conv.padding == "valid":
-        return [(0, 0)] * len(reach)
-    return [(p, p) for p in conv.padding]
+    return padding_pairs(conv.padding, conv.kernel_size, conv.dilation, len(conv.kernel_size))
 
 
 def _conv_wraps(name: str, conv: Any, sharded: Sequence[int],

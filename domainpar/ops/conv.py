@@ -84,8 +84,9 @@ def _whole_blocks(func, x: DomainTensor, weight, bias, out_dec, *options):
     return DomainTensor(func(x._local, w, b, *options), out_dec)
 
 
-def _padding(padding, kernel, dilation, nsp):
-    """(lo, hi) per spatial dim, as torch resolves ints, tuples, 'valid' and 'same'."""
+def padding_pairs(padding, kernel, dilation, nsp):
+    """Local. (lo, hi) per spatial dim, as torch resolves ints, tuples, 'valid' and
+    'same' (also for halo fusion's convs, nn/fusion.py)."""
     if padding == "valid":
         return [(0, 0)] * nsp
     if padding == "same":
@@ -161,7 +162,7 @@ def _conv_plan(func, x: DomainTensor, weight, bias, options: tuple, nsp: int) ->
         return _ConvPlan(window.out_layout(dec, out_shape))
     stride, dilation = _tuple(stride_a, nsp), _tuple(dilation_a, nsp)
     kernel = tuple(weight.shape[2:])
-    pads = _padding(padding_a, kernel, dilation, nsp)
+    pads = padding_pairs(padding_a, kernel, dilation, nsp)
     plans, torch_pads = {}, []
     for i, d in enumerate(range(2, x.ndim)):
         if d in spatial or pads[i][0] != pads[i][1]:
