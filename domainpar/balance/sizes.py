@@ -26,15 +26,23 @@ import numpy.typing as npt
 Floats: TypeAlias = Sequence[float] | npt.NDArray[Any]
 
 
+def rank_cells(sizes: Mapping[int, Sequence[int]], shard: Mapping[int, int],
+               coords: Sequence[Sequence[int]], rest: int = 1) -> np.ndarray:
+    """Local. Each rank's cells with ``sizes`` ({dim: per-coordinate sizes}), in
+    rank order; ``rest`` cells per element of the sharded dims (the unsharded
+    dims' product)."""
+    cells = np.full(len(coords), float(rest))
+    for d, a in shard.items():
+        cells *= np.asarray(sizes[d], dtype=float)[[c[a] for c in coords]]
+    return cells
+
+
 def predicted_time(sizes: Mapping[int, Sequence[int]], shard: Mapping[int, int],
                    coords: Sequence[Sequence[int]], throughput: Floats) -> float:
     """Local. The slowest rank's time (seconds per cell of the unsharded dims)
     with ``sizes`` ({dim: per-coordinate sizes}) at ``throughput`` (per rank)."""
-    worst = 0.0
-    for r, c in enumerate(coords):
-        cells = math.prod(sizes[d][c[a]] for d, a in shard.items())
-        worst = max(worst, cells / throughput[r])
-    return worst
+    times = rank_cells(sizes, shard, coords) / np.asarray(throughput, dtype=float)
+    return float(times.max(initial=0.0))
 
 
 def axis_speeds(throughput: Floats, coords: Sequence[Sequence[int]], axis: int,
@@ -132,10 +140,7 @@ def affine_times(sizes: Mapping[int, Sequence[int]], shard: Mapping[int, int],
     with ``sizes`` ({dim: per-coordinate sizes}); ``rest`` cells per element of
     the sharded dims (the unsharded dims' product); a negative fixed part takes off at most half
     the part per cell (the line is fitted near the cells measured)."""
-    cells = np.full(len(coords), float(rest))
-    for d, a in shard.items():
-        cells *= np.asarray(sizes[d], dtype=float)[[c[a] for c in coords]]
-    varying = np.asarray(per_cell) * cells
+    varying = np.asarray(per_cell) * rank_cells(sizes, shard, coords, rest)
     return np.maximum(np.asarray(fixed) + varying, varying / 2)
 
 
@@ -156,8 +161,7 @@ def affine_plan(global_shape: Sequence[int], shard: Mapping[int, int],
     best_time = math.inf
     fixed = np.asarray(fixed, dtype=float)
     for _ in range(rounds if fixed.any() else 1):
-        cells = np.maximum(affine_times(every, shard, coords, rest, np.zeros(len(coords)),
-                                        np.ones(len(coords))), 1.0)
+        cells = np.maximum(rank_cells(every, shard, coords, rest), 1.0)
         throughput = cells / (fixed + np.asarray(per_cell) * cells)
         proposal = balanced_plan(global_shape, shard, grid_dims, coords, throughput, dims,
                                  min_size, unit)
