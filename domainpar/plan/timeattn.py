@@ -24,7 +24,10 @@ from collections.abc import Iterator
 
 from .comms import Event, Where
 
-# The kernels counted, each with the positions of its q and k operands.
+# The kernels counted, each with the positions of its q and k operands: aten's
+# names in torch 2.13 (the private TorchDispatchMode below too);
+# tests/test_time_model.py::test_counting_reads_the_flash_kernels_forward_and_backward
+# fails when a torch release renames them.
 KERNELS = {"_scaled_dot_product_flash_attention_for_cpu": (0, 1),
            "_scaled_dot_product_flash_attention_for_cpu_backward": (1, 2)}
 
