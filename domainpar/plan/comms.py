@@ -5,7 +5,7 @@ the ops themselves, and the same counts evaluated on any other grid.
 through its public hook ``comm.clock.observing`` (no method is patched):
 ``HaloExchange.fill`` / ``accumulate``, the collectives (allreduce,
 iallreduce, repartition, ring shifts, gathers, broadcasts), ``agree`` and
-DomainParallel's polled agreement. Each call becomes an
+DomainParallel's per-step agreement (``completes_within``). Each call becomes an
 ``Event`` holding the layout the op passed (global shape, shard map, halo
 widths, wraps, bytes per element) and the bytes and messages this rank really
 exchanged in it (read off the exchange's own plan: the halo's receive boxes,
@@ -119,7 +119,7 @@ def _event(name: str, call: dict) -> Event:
         size = call["comm"].Get_size()
         return Event("allreduce", name, 8, (3,), ranks=size, nbytes=24 if size > 1 else 0,
                      messages=int(size > 1))
-    if name == "completes_within":  # a polled nonblocking agreement (DomainParallel's)
+    if name == "completes_within":  # a nonblocking agreement's wait (DomainParallel's)
         return Event("poll", name, ranks=_world_size())
     if name in _RING:
         return _ring_event(name, call)

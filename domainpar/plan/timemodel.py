@@ -43,8 +43,9 @@ from .timeattn import attention_seconds
 # the compute fit misses it: transposes, gathers and ring shifts. A halo fill
 # and an allreduce run there too (with nothing to send), so their software cost
 # is in the compute already; their recorded times would add only waiting.
-# A polled agreement (``poll``: a nonblocking allreduce tested with 1 ms sleeps,
-# DomainParallel's per-step check) runs only past one rank too.
+# DomainParallel's per-step agreement (``poll``: a nonblocking allreduce waited
+# on in ``completes_within``; polled with sleeps only when a fault sets a time
+# limit) runs only past one rank too.
 SOFTWARE_KINDS = ("repartition", "rooted", "ring", "poll")
 CATEGORIES = ("compute", "attention", "halo", "gradient allreduce", "small allreduces", "transposes",
               "ring shifts", "gathers")
