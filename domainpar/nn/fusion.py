@@ -47,7 +47,7 @@ from .. import autograd as ag
 from ..comm.errors import agree, signature_of
 from ..ops import window
 from ..ops.common import autocast_operands
-from ..ops.conv import HaloConv, _ConvSpec, padding_pairs  # the unfused conv's Function, no halo
+from ..ops.conv import ConvSpec, HaloConv, padding_pairs  # the unfused conv's Function, no halo
 from ..tensor.dispatch import UnsupportedOpError
 from ..tensor.domain_tensor import DomainTensor
 from ..tensor.params import enter_domain
@@ -315,8 +315,8 @@ def _conv(conv: Any, wb: tuple, t: torch.Tensor,
     t, w, b = autocast_operands(t, *wb)
     spatial = [t.shape[d] + 2 * p - conv.dilation[d - 2] * (conv.kernel_size[d - 2] - 1)
                for d, p in zip(range(2, t.ndim), torch_pads)]
-    spec = _ConvSpec(_CONVS[type(conv)], (1,) * len(whole), torch_pads, tuple(conv.dilation),
-                     conv.groups, (), (), (t.shape[0], conv.out_channels, *spatial))
+    spec = ConvSpec.no_halo(_CONVS[type(conv)], torch_pads, tuple(conv.dilation), conv.groups,
+                            (t.shape[0], conv.out_channels, *spatial))
     out = HaloConv.apply(t, w, b, None, spec)
     return out, {d: (lo - pads[d - 2][0], hi - pads[d - 2][1]) for d, (lo, hi) in m.items()}
 

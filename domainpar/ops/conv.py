@@ -120,7 +120,7 @@ class _ConvPlan:
     layout, and (None where no spatial dim is sharded) the spec of its
     HaloConv and the ghost widths its exchange fills."""
     out_dec: object
-    spec: _ConvSpec | None = None
+    spec: ConvSpec | None = None
     exchanged: bool = False
 
 
@@ -174,14 +174,20 @@ def _conv_plan(func, x: DomainTensor, weight, bias, options: tuple, nsp: int) ->
     out_dec = window.out_layout(dec, out_shape, plans)
     widths = {d: (p.lo, p.hi) for d, p in plans.items() if p.lo or p.hi}
     windows = {d: p.window(window.coordinate(dec, d)) for d, p in plans.items()}
-    spec = _ConvSpec(func, tuple(stride), tuple(torch_pads), tuple(dilation), groups,
+    spec = ConvSpec(func, tuple(stride), tuple(torch_pads), tuple(dilation), groups,
                      tuple(sorted(widths.items())), tuple(sorted(windows.items())),
                      out_dec.local_shape())
     return _ConvPlan(out_dec, spec, any(d in dec.shard for d in widths))
 
 
 @dataclasses.dataclass(frozen=True)
-class _ConvSpec:
+class ConvSpec:
+    """Local. What ``HaloConv`` needs to run one rank's conv: torch's conv
+    function and options, the ghost widths around the block, the window of
+    cells this rank's outputs read, and this rank's output block shape.
+
+    ``ConvSpec.no_halo`` builds one for a conv of a block that holds its ghost
+    cells already (no halo to fill, every cell read)."""
     func: object
     stride: tuple
     padding: tuple   # torch's padding of the whole (unsharded) dims
@@ -190,6 +196,14 @@ class _ConvSpec:
     widths: tuple    # ((dim, (lo, hi)), ...): ghost cells around the block
     windows: tuple   # ((dim, (start, length)), ...): the cells this rank's outputs read
     out_shape: tuple  # this rank's output block
+
+    @classmethod
+    def no_halo(cls, func, padding: tuple, dilation: tuple, groups: int,
+                out_shape: tuple) -> ConvSpec:
+        """Local. The spec of a stride-1 conv of a whole local tensor: no ghost
+        cells, torch pads ``padding`` per spatial dim, output block ``out_shape``."""
+        return cls(func, (1,) * len(padding), tuple(padding), tuple(dilation), groups,
+                   (), (), tuple(out_shape))
 
 
 class HaloConv(torch.autograd.Function):
@@ -207,7 +221,7 @@ class HaloConv(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, block, weight, bias, halo, spec: _ConvSpec):
+    def forward(ctx, block, weight, bias, halo, spec: ConvSpec):
         widths = dict(spec.widths)
         padded = _padded_block(block, widths)
         if halo is not None:
@@ -275,7 +289,7 @@ def backward_in_pieces_at_any_size():
         _PIECE_CELLS = saved
 
 
-def _padded_backward(grad, block, weight, slabs, spec: _ConvSpec, padded_shape, mask):
+def _padded_backward(grad, block, weight, slabs, spec: ConvSpec, padded_shape, mask):
     """(grad of the padded block, of weight, of bias) of HaloConv's conv."""
     widths, windows = dict(spec.widths), dict(spec.windows)
     pieces = _row_pieces(spec, padded_shape)
@@ -309,7 +323,7 @@ def _padded_backward(grad, block, weight, slabs, spec: _ConvSpec, padded_shape, 
     return g_padded, g_w, g_b
 
 
-def _row_pieces(spec: _ConvSpec, padded_shape):
+def _row_pieces(spec: ConvSpec, padded_shape):
     """(dim, [(first, stop) output rows, ...]) for a piecewise backward, along the
     outermost spatial dim torch does not pad itself; None when one piece will do."""
     cells = int(np.prod(padded_shape))
@@ -362,7 +376,7 @@ def _narrowed(t: torch.Tensor, windows) -> torch.Tensor:
     return t
 
 
-def _cells(padded: torch.Tensor, spec: _ConvSpec) -> torch.Tensor:
+def _cells(padded: torch.Tensor, spec: ConvSpec) -> torch.Tensor:
     """The part of the padded block this rank's outputs read (a view)."""
     return _narrowed(padded, spec.windows)
 

@@ -61,7 +61,7 @@ def local_conv_backward(grad, cells, weight, spec, mask):
     """Local. (grad of cells, of weight, of bias) of ``local_conv`` (not
     transposed), by the same spatial-dim order, so by the same kernel. ``spec``:
     anything with ``stride``, ``padding``, ``dilation``, ``groups`` (conv's
-    ``_ConvSpec``); ``mask``: which of the three gradients to compute."""
+    ``ConvSpec``); ``mask``: which of the three gradients to compute."""
     stride, padding, dilation = spec.stride, spec.padding, spec.dilation
     order = kernel_order(tuple(cells.shape), cells.dtype, cells.device.type,
                          tuple(weight.shape), stride, padding, dilation, spec.groups, ())
