@@ -132,7 +132,7 @@ def test_cubic_grids():
     assert math.prod(_cubic(1024)) == 1024
 
 
-# -- serial: attention, ring passes, polled agreements, the validation's report ----------------
+# -- serial: attention, ring passes, per-step agreements, the validation's report ----------------
 def test_attention_work_is_queries_times_global_keys_and_scales_as_n2_over_p():
     assert work_of((2, 4, 10, 8), (2, 4, 30, 8)) == 2 * 4 * 10 * 30 * 8
     e = Event("attention", "kernels", ranks=2, work=1000, seconds=0.01)
@@ -173,13 +173,13 @@ def test_ring_passes_scale_with_the_ring():
     assert one == pytest.approx(1e-3)
 
 
-def test_a_polled_agreement_costs_only_past_one_rank():
+def test_the_per_step_agreement_costs_only_past_one_rank():
     net = Network("n", 1e-6, 1e9, 4e-6)
-    poll = Event("poll", "completes_within", ranks=2, seconds=1.2e-3)
+    step = Event("agree", "completes_within", ranks=2, seconds=1.2e-3)
     traced = Where((2,), (0,))
-    assert category(poll) == "small allreduces"
-    assert event_seconds(poll, Where((1,), (0,)), net, traced, net) == 0.0
-    assert event_seconds(poll, Where((8,), (4,)), net, traced, net) == pytest.approx(
+    assert category(step) == "small allreduces"
+    assert event_seconds(step, Where((1,), (0,)), net, traced, net) == 0.0
+    assert event_seconds(step, Where((8,), (4,)), net, traced, net) == pytest.approx(
         3 * 4e-6 + 1.2e-3 - 4e-6)
 
 
@@ -287,6 +287,7 @@ def test_a_training_steps_counts_match_the_ops(which):
     kinds = {e.kind for e in events if e.ranks > 1}
     if SIZE > 1:
         assert "allreduce" in kinds and ("halo" in kinds or "repartition" in kinds)
+        assert "agree" in kinds  # DomainParallel's per-step agreement
     assert_counts_match(events, grid)
 
 

@@ -36,7 +36,7 @@ _RING = ("ring_shift", "mirror_exchange")
 @dataclass
 class Event:
     """One communication call of a step, as ``record`` saw it."""
-    kind: str                       # halo, allreduce, repartition, ring, rooted
+    kind: str                       # halo, allreduce, repartition, ring, rooted, agree
     name: str                       # the comm function (fill, accumulate, iallreduce ...)
     itemsize: int = 0
     shape: tuple = ()               # the global shape of the layout (halo, repartition)
@@ -120,7 +120,7 @@ def _event(name: str, call: dict) -> Event:
         return Event("allreduce", name, 8, (3,), ranks=size, nbytes=24 if size > 1 else 0,
                      messages=int(size > 1))
     if name == "completes_within":  # a nonblocking agreement's wait (DomainParallel's)
-        return Event("poll", name, ranks=_world_size())
+        return Event("agree", name, ranks=_world_size())
     if name in _RING:
         return _ring_event(name, call)
     arr = buffers.as_array(call.get("a", call.get("block", call.get("global_array"))))
@@ -260,7 +260,7 @@ def traffic(e: Event, where: Where) -> tuple[int, int]:
         return _halo_traffic(e, where)
     if e.kind == "repartition":
         return _repartition_traffic(e, where)
-    if e.kind in ("attention", "poll"):
+    if e.kind in ("attention", "agree"):
         return 0, 0
     if e.kind == "ring":
         if where.size <= 1:

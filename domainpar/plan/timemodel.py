@@ -43,10 +43,10 @@ from .timeattn import attention_seconds
 # the compute fit misses it: transposes, gathers and ring shifts. A halo fill
 # and an allreduce run there too (with nothing to send), so their software cost
 # is in the compute already; their recorded times would add only waiting.
-# DomainParallel's per-step agreement (``poll``: a nonblocking allreduce waited
+# DomainParallel's per-step agreement (``agree``: a nonblocking allreduce waited
 # on in ``completes_within``; polled with sleeps only when a fault sets a time
 # limit) runs only past one rank too.
-SOFTWARE_KINDS = ("repartition", "rooted", "ring", "poll")
+SOFTWARE_KINDS = ("repartition", "rooted", "ring", "agree")
 CATEGORIES = ("compute", "attention", "halo", "gradient allreduce", "small allreduces", "transposes",
               "ring shifts", "gathers")
 
@@ -125,7 +125,7 @@ class Compute:
 
 def category(e: Event) -> str:
     """Local. Which line of the breakdown an event goes on."""
-    if e.kind == "poll":
+    if e.kind == "agree":
         return "small allreduces"
     if e.kind == "allreduce":
         return "gradient allreduce" if e.name == "iallreduce" or e.nbytes > 65536 \
@@ -159,7 +159,7 @@ def event_seconds(e: Event, where: Where, net: Network, traced: Where | None = N
 
 def _network_seconds(e: Event, where: Where, net: Network) -> float:
     nbytes, messages = traffic(e, where)
-    if e.kind == "poll":  # a small allreduce
+    if e.kind == "agree":  # a small allreduce
         return math.ceil(math.log2(where.size)) * net.small if where.size > 1 else 0.0
     if e.kind == "allreduce":
         p = where.size
