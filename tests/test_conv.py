@@ -17,6 +17,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from domainpar import UnsupportedOpError
+from domainpar.comm.decomposition import balanced_sizes
 from domainpar.testing import adjoint_test, assert_matches_single_process, raises_on_every_rank, shard_like
 from tensor_cases import COMM, SIZE, global_tensor, layout
 
@@ -197,6 +198,36 @@ def test_pad_matches_one_process(case):
     assert_matches_single_process(lambda x: F.pad(x, pad, mode=mode, **kwargs),
                                   global_tensor(shape), grid, shard, sizes=sizes)
 
+
+
+@pytest.mark.parametrize("kind", ("even", "uneven", "zero"))
+@pytest.mark.parametrize("grid_ndim", (1, 2))
+def test_constant_pad_of_a_concentrated_tensor_comes_out_balanced(kind, grid_ndim):
+    """A few cells sliced off the low end of a sharded dim (all on the first ranks),
+    padded back to a long dim with zeros: the output is cut into balanced blocks
+    instead of leaving the padding on the last rank, and still matches one
+    process; so does a pad on both ends that the edge blocks can take."""
+    shape = (2, 3, 17, 6)
+    grid, shard, sizes = layout(shape, (2, 3), grid_ndim, kind)
+
+    def sliced_and_padded(x):
+        return F.pad(x[:, :, :3], (0, 0, 1, 20), value=0.25)
+
+    assert_matches_single_process(sliced_and_padded, global_tensor(shape), grid, shard,
+                                  sizes=sizes)
+    y = sliced_and_padded(shard_like(global_tensor(shape), grid, shard, sizes))
+    if 2 in y.decomposition.shard:
+        assert y.decomposition.block_sizes(2) == balanced_sizes(24, len(y.decomposition
+                                                                         .block_sizes(2)))
+    assert_matches_single_process(lambda x: F.pad(x, (0, 0, 1, 1)), global_tensor(shape),
+                                  grid, shard, sizes=sizes)
+
+
+def test_constant_pad_adjoint():
+    """<pad(x), y> == <x, pad*(y)> where the pad balances its output (a repartition)."""
+    grid, shard, sizes = layout((2, 3, 17, 6), (2, 3), 2, "uneven")
+    x = shard_like(global_tensor((2, 3, 17, 6), seed=5), grid, shard, sizes)
+    adjoint_test(lambda t: F.pad(t[:, :, :2], (0, 0, 0, 30)), x)
 
 
 @pytest.mark.parametrize("mode", ("reflect", "replicate", "circular"))

@@ -7,7 +7,11 @@ lands on the edge blocks: coordinate 0 grows by the low width, the last one by
 the high width, the others keep their blocks. Output cell ``j`` copies input
 cell ``j - lo`` mapped into the domain:
 
-- constant: no source (the value); no message at all;
+- constant: no source (the value); no message at all, unless the edge blocks
+  would grow past 1.25 times a balanced block (a spectrum sliced to a few modes
+  on one rank, padded back to its full length): then the output is cut into
+  balanced blocks, each holding the input cells in its range, moved there by
+  one repartition (its adjoint the reverse one) that carries input cells only;
 - reflect: ``-i`` below the domain, ``2 (n - 1) - i`` above;
 - replicate: clamped to the end cells;
 - circular: wrapped around, through a halo exchange that wraps on any grid
@@ -28,6 +32,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from ..autograd import repartition
+from ..comm.decomposition import balanced_sizes
 from ..tensor import layout
 from ..tensor.dispatch import UnsupportedOpError, op_name, register
 from ..tensor.domain_tensor import DomainTensor
@@ -66,10 +72,59 @@ def _flat(pads: dict[int, tuple[int, int]], ndim: int, length: int) -> list[int]
     return out[:length]
 
 
+# A constant pad along a sharded dim puts the new cells on the edge blocks, unless
+# that leaves the largest block more than this many times the balanced one: then
+# the output is cut into balanced blocks (a spectrum sliced to a few modes on one
+# rank and padded back to full length would otherwise leave every later op's work,
+# an FFT's included, on the last rank).
+_EDGE_SLACK = 1.25
+
+
+def _constant_plan(n: int, in_sizes: tuple[int, ...], lo: int, hi: int):
+    """(input block sizes, per-block (lo, hi) widths, output block sizes) of a
+    constant pad by ``(lo, hi)`` of a dim of ``n`` cells cut into ``in_sizes``:
+    the edge blocks grow, or, when that is too unbalanced (``_EDGE_SLACK``), the
+    output is balanced and each block holds the input cells inside its range."""
+    edge = list(in_sizes)
+    edge[0] += lo
+    edge[-1] += hi
+    even = balanced_sizes(n + lo + hi, len(in_sizes))
+    if max(edge) <= _EDGE_SLACK * max(even):
+        widths = [(lo if k == 0 else 0, hi if k == len(edge) - 1 else 0)
+                  for k in range(len(edge))]
+        return tuple(in_sizes), tuple(widths), tuple(edge)
+    stops = np.cumsum(even)
+    starts = stops - np.asarray(even)
+    first = np.clip(starts - lo, 0, n)           # input cells each output block holds
+    last = np.clip(stops - lo, 0, n)
+    widths = [(int(max(0, min(b, lo) - a)), int(max(0, b - max(a, lo + n))))
+              for a, b in zip(starts, stops)]
+    return tuple(int(v) for v in last - first), tuple(widths), even
+
+
+def _constant(x: DomainTensor, pads: dict[int, tuple[int, int]], sharded, out_shape,
+              length: int, value) -> DomainTensor:
+    """Constant-mode pad. Local, or collective (one repartition, moving input cells
+    only) where the output is balanced (``_constant_plan``)."""
+    dec = x._dec
+    plans = {d: _constant_plan(x.shape[d], dec.block_sizes(d), lo, hi)
+             for d, (lo, hi) in sharded.items()}
+    held = layout.derive(dec, x.shape, dec.shard,
+                         {d: plans[d][0] if d in plans else dec.block_sizes(d)
+                          for d in dec.shard})
+    local = repartition(x._local, dec, held)
+    local_pads = {d: p for d, p in pads.items() if d not in sharded}
+    local_pads.update({d: p[1][window.coordinate(dec, d)] for d, p in plans.items()})
+    out = torch._C._nn.pad(local, _flat(local_pads, x.ndim, length), "constant", value)
+    return DomainTensor(out, window.out_layout(dec, out_shape,
+                                               {d: p[2] for d, p in plans.items()}))
+
+
 @register(F.pad, torch.nn.functional.pad, torch._C._nn.pad)
 def pad(func, args, kwargs):
     """Local along unsharded dims; neighbour-wise collective (halo fill) along sharded
-    dims for reflect, replicate and circular (any grid), none for constant."""
+    dims for reflect, replicate and circular (any grid); for constant none, or one
+    repartition where the edge blocks would grow too unbalanced (output balanced)."""
     a = bind(func, args, kwargs, ("input", "pad", "mode", "value"), {"mode": "constant"})
     x, mode, value = a["input"], a["mode"], a["value"]
     if not isinstance(x, DomainTensor):
@@ -88,17 +143,7 @@ def pad(func, args, kwargs):
                 f"{mode} mode, sharded on {layout.sharded_dims_text(dec)}; slice the tensor "
                 f"instead")
     if mode == "constant":
-        c = {d: window.coordinate(dec, d) for d in sharded}
-        last = {d: dec.grid.dims[dec.shard[d]] - 1 for d in sharded}
-        local_pads = {d: p for d, p in pads.items() if d not in sharded}
-        local_pads.update({d: (lo if c[d] == 0 else 0, hi if c[d] == last[d] else 0)
-                           for d, (lo, hi) in sharded.items()})
-        out = torch._C._nn.pad(local, _flat(local_pads, x.ndim, len(a['pad'])), "constant", value)
-        sizes = {d: tuple(s + (lo if k == 0 else 0) + (hi if k == len(dec.block_sizes(d)) - 1
-                                                        else 0)
-                          for k, s in enumerate(dec.block_sizes(d)))
-                 for d, (lo, hi) in sharded.items()}
-        return DomainTensor(out, window.out_layout(dec, out_shape, sizes))
+        return _constant(x, pads, sharded, out_shape, len(a["pad"]), value)
 
     unsharded = {d: p for d, p in pads.items() if d not in sharded}
     if any(p != (0, 0) for p in unsharded.values()):
