@@ -304,6 +304,24 @@ def test_applied_sets_and_restores_the_settings(monkeypatch):
     assert "DOMAINPAR_HALO_WAY" not in settings.os.environ
 
 
+def test_malloc_settings_are_refused_in_a_running_process(monkeypatch):
+    """glibc reads its tunables at start: applying another value in-process (a
+    benchmark that does not launch jobs) raises; a job started with the value
+    (B's job re-applying its own settings) passes."""
+    from domainpar.bench import settings
+    key = "MALLOC_MMAP_THRESHOLD_"
+    started = settings._STARTED_WITH[key]
+    other = "12345" if started != "12345" else "54321"
+    with pytest.raises(ValueError, match="launch their own jobs"):
+        with settings.applied({key: other}):
+            pass
+    assert settings.os.environ.get(key) == started  # restored
+    monkeypatch.setitem(settings._STARTED_WITH, key, other)  # as in B's job
+    monkeypatch.setenv(key, other)
+    with settings.applied({key: other}):
+        assert settings.os.environ[key] == other
+
+
 def test_clock_observing_sees_each_outermost_exchange_once():
     """The benches' one hook into communication: every outermost call, by name,
     only inside the block (one process: a grid of size one still exchanges)."""

@@ -58,6 +58,21 @@ def _positive_int(value: str) -> bool:
     return value.isdigit() and int(value) > 0
 
 
+# glibc reads its malloc tunables once, when the process starts: a job launched
+# with them runs under them, nothing can switch them in a running process.
+_MALLOC_KEYS = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_")
+_STARTED_WITH = {k: os.environ.get(k) for k in _MALLOC_KEYS}
+
+
+def _at_start(key: str) -> Callable[[str | None], None]:
+    def check(value: str | None) -> None:
+        if value != _STARTED_WITH[key]:
+            raise ValueError(f"--compare {key}: glibc reads it when a process starts; only "
+                             f"benchmarks that launch their own jobs (scaling, step) "
+                             f"can compare it")
+    return check
+
+
 # key -> (what it sets, accepted values (a tuple, or a test), how it is applied in-process)
 KEYS: dict[str, tuple[str, tuple[str, ...] | Callable[[str], bool],
                       Callable[[str | None], None]]] = {
@@ -73,6 +88,15 @@ KEYS: dict[str, tuple[str, tuple[str, ...] | Callable[[str], bool],
     "DOMAINPAR_FUSE_HALOS": ("halo fusion of conv chains in DomainParallel on (1) or off (0)",
                              ("0", "1"), lambda value: None),
     "OMP_NUM_THREADS": ("torch threads per rank", _positive_int, _threads),
+    # docs/benchmarks.md, "The allocator": a fixed threshold keeps large blocks in
+    # the heap, so a step reuses them instead of faulting in fresh pages
+    "MALLOC_MMAP_THRESHOLD_": ("glibc malloc: bytes from which a block is mmap'd (fresh "
+                               "pages, faulted in at first touch); a fixed value turns off "
+                               "its dynamic threshold, which stops at 32 MiB",
+                               _positive_int, _at_start("MALLOC_MMAP_THRESHOLD_")),
+    "MALLOC_TRIM_THRESHOLD_": ("glibc malloc: free bytes at the heap's top kept before "
+                               "returning them", _positive_int,
+                               _at_start("MALLOC_TRIM_THRESHOLD_")),
 }
 
 
@@ -192,8 +216,8 @@ def applied(settings: Mapping[str, str] | None) -> Iterator[None]:
     saved = current(settings)
     torch = sys.modules.get("torch")
     threads = torch.get_num_threads() if torch is not None else None
-    _set(settings)
     try:
+        _set(settings)  # inside: a setting refused half-way is undone too
         yield
     finally:
         _set(saved)
