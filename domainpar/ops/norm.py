@@ -10,8 +10,11 @@ statistic per index of the other dims:
 - group_norm: the channels of a group and the spatial dims (per sample and group);
 - layer_norm: the trailing ``normalized_shape`` dims (per leading index).
 
-When no reduced dim is sharded the op is local: torch's own kernel runs on the
-block (running statistics excepted, see below). Otherwise the statistics are a
+When no reduced dim is cut over more than one process (``layout.cut``: a
+one-rank grid, a cut batch dim, dims sharded on grid axes of one process) the
+op is local: torch's own kernel runs on the block, with weight and bias entered
+as below; where running statistics are updated, only when no dim at all is cut
+(the block is then the whole tensor). Otherwise the statistics are a
 collective over the grid axes that cut the reduced dims:
 
 1. each rank takes its block's moments (count n_i, mean_i, M2_i) with
@@ -121,6 +124,15 @@ def _check_operands(func, x, **plain) -> None:
 
 
 # -- statistics -------------------------------------------------------------------------------
+def _block_statistics(dec: Decomposition, dims, tracked: bool = False) -> bool:
+    """Local. Whether the statistics over ``dims`` are this block's own, so that
+    torch's kernel on the block gives them: no reduced dim is cut over more than
+    one process, and, where running statistics are updated (``tracked``), no dim
+    at all (torch's kernel updates them from the block, which is then the whole
+    tensor)."""
+    return not any(layout.cut(dec, d) for d in (dec.shard if tracked else dims))
+
+
 def _axes(dec: Decomposition, dims) -> list[int]:
     """The grid axes that cut ``dims``, in increasing order (sub-communicator order)."""
     return sorted(dec.shard[d] for d in dims if d in dec.shard)
@@ -344,14 +356,16 @@ def batch_norm(func, args, kwargs):
     torch_checks(func, x, rm, rv, w, b, training, momentum, eps)
     dec, local, nd = x._dec, x._local, x.ndim
     weight, bias = _channel_params(dec, w, b, nd)
-    if not training:
-        # Running statistics: elementwise per channel, torch's kernel on the block.
+    dims = [0] + list(range(2, nd))
+    if not training or _block_statistics(dec, dims, rm is not None or rv is not None):
+        # The running statistics (elementwise per channel), or statistics per channel
+        # within the block: torch's kernel on the block.
         rm_l, rv_l = _channel_slice(rm, dec), _channel_slice(rv, dec)
         return DomainTensor(_empty_or(local, lambda: func(
             local, rm_l, rv_l, None if weight is None else weight.reshape(-1),
-            None if bias is None else bias.reshape(-1), False, momentum, eps), weight, bias), dec)
+            None if bias is None else bias.reshape(-1), training, momentum, eps),
+            weight, bias), dec)
 
-    dims = [0] + list(range(2, nd))
     comm, counts = _statistics_plan(dec, dims)
     out, mean, m2, n = normalize(local, dims, comm, counts, eps, weight, bias)
     if rm is not None or rv is not None:
@@ -378,12 +392,10 @@ def instance_norm(func, args, kwargs):
     weight, bias = _channel_params(dec, w, b, nd)
     spatial = list(range(2, nd))
     tracked = rm is not None or rv is not None
-    local_only = not use_input_stats or (not any(d in dec.shard for d in spatial) and (
-        not tracked or not dec.shard))
-    if local_only:
+    if not use_input_stats or _block_statistics(dec, spatial, tracked):
         # The running statistics (elementwise per channel), or statistics per sample
         # and channel within the block: torch's kernel on the block. It updates running
-        # statistics only where nothing is sharded (the block is the whole tensor).
+        # statistics only where nothing is cut (the block is the whole tensor).
         rm_l, rv_l = _channel_slice(rm, dec), _channel_slice(rv, dec)
         return DomainTensor(_empty_or(local, lambda: func(
             local, rm_l, rv_l, None if weight is None else weight.reshape(-1),
@@ -405,9 +417,9 @@ def instance_norm(func, args, kwargs):
 # -- group_norm -------------------------------------------------------------------------------
 @register(F.group_norm)
 def group_norm(func, args, kwargs):
-    """Collective over the axes of the sharded spatial dims (none along batch).
-    Any num_groups, affine or not; a sharded channel dim where every block holds
-    whole groups."""
+    """Collective over the axes of the cut spatial dims (none along batch; local
+    where no spatial dim is cut over more than one process). Any num_groups,
+    affine or not; a sharded channel dim where every block holds whole groups."""
     a = bind(func, args, kwargs, ("input", "num_groups", "weight", "bias", "eps"), {"eps": 1e-5})
     x, groups, w, b, eps = a["input"], a["num_groups"], a["weight"], a["bias"], a["eps"]
     _check_operands(func, x, weight=w, bias=b)
@@ -430,7 +442,7 @@ def group_norm(func, args, kwargs):
 @dataclasses.dataclass(frozen=True)
 class _GroupPlan:
     local_groups: int
-    comm: MPI.Cartcomm | None = None  # None: no spatial dim is cut, torch's kernel on the block
+    comm: MPI.Cartcomm | None = None  # None: statistics of the block, torch's kernel on it
     counts: tuple[int, ...] = ()
     view_shape: tuple[int, ...] = ()
     param_shape: tuple[int, ...] = ()
@@ -451,7 +463,7 @@ def _group_plan(func, x: DomainTensor, groups, w, b, eps) -> _GroupPlan:
     local_shape = dec.local_shape()
     local_groups = local_shape[1] // per_group
     spatial = list(range(2, nd))
-    if not any(d in dec.shard for d in spatial):
+    if _block_statistics(dec, spatial):
         return _GroupPlan(local_groups)
     comm, counts = _statistics_plan(dec, spatial)  # counts of cells: per_group values each
     return _GroupPlan(local_groups, comm, tuple(per_group * n for n in counts),
@@ -477,7 +489,7 @@ def layer_norm(func, args, kwargs):
     sliced = {d - (nd - k): d for d in dims if d in dec.shard}
     weight = None if w is None else enter_domain(w, dec, sliced)
     bias = None if b is None else enter_domain(b, dec, sliced)
-    if not sliced:
+    if _block_statistics(dec, dims):
         return DomainTensor(_empty_or(local, lambda: func(local, shape, weight, bias, eps),
                                       weight, bias), dec)
     comm, counts = _statistics_plan(dec, dims)
