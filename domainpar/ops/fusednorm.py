@@ -1,0 +1,83 @@
+"""The elementwise half of a sharded group norm, fused as torch's own kernel is.
+
+``norm.group_norm`` takes the statistics of groups cut over several ranks with
+``norm.moments`` (Chan's combination, identical bits on every rank); what is
+left is y = (x - mean) * invstd * weight + bias on this rank's block, and its
+backward. Written with autograd's elementwise ops (``norm.Affine`` and the
+moments' own graph) that backward reads and writes the block about a dozen
+times; ``GroupAffine`` does what torch's CPU kernel does, in about four passes:
+
+- forward: y = x * a + c, a = invstd * weight and c = bias - mean * a per
+  (sample, channel): one pass (torch's kernel has the same form, and so the
+  same rounding under a large offset);
+- backward: per (sample, channel) sums of g and of g * x over the block (two
+  reading passes), summed over each group and then over the ranks that share
+  the group (``comm``: one allreduce of two numbers per (sample, group), in
+  place of the moments' and the statistics' two), and the input gradient
+  dx = coef * g + k1 * x + k0 in two passes.
+
+With n the group's cells over all ranks, r = invstd, w the channel's weight,
+A = sum(w g) and B = sum(w g (x - mean)) over the whole group:
+dx = r w g - (r / n) A - (r^3 / n) B (x - mean). The weight and bias gradients
+are this block's sums; ``enter_domain`` sums them over the ranks as it does
+for every parameter.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+from mpi4py import MPI
+
+from .. import autograd as ag
+
+
+class GroupAffine(torch.autograd.Function):
+    """Local forward; collective backward over ``comm`` (one allreduce) where
+    the input's gradient is needed, on every rank of ``comm`` alike.
+
+    ``x`` is the block viewed as (N, G, C/G, cells), ``mean`` and ``invstd``
+    (N, G, 1, 1) the statistics of the whole groups (constants here: their
+    dependence on x is in this backward), ``weight`` and ``bias`` (1, G, C/G, 1)
+    or None, ``count`` the cells of one group over all ranks of ``comm``."""
+
+    @staticmethod
+    def forward(ctx, x, mean, invstd, weight, bias, comm: MPI.Comm, count: int):
+        a = invstd if weight is None else invstd * weight
+        c = -mean * a if bias is None else bias - mean * a
+        ctx.save_for_backward(x, mean, invstd, weight)
+        ctx.comm, ctx.count, ctx.has_bias = comm, count, bias is not None
+        return torch.addcmul(c, x, a)
+
+    @staticmethod
+    def backward(ctx, g):
+        x, mean, invstd, weight = ctx.saved_tensors
+        need_x, _, _, need_w, need_b = ctx.needs_input_grad[:5]
+        g = g.contiguous()
+        sg = g.sum(-1, keepdim=True)
+        sgx = _row_dots(g, x) if need_x or need_w else None
+        gx = gw = gb = None
+        if need_x:
+            assert sgx is not None
+            w = 1.0 if weight is None else weight
+            ab = torch.stack([(w * sg).sum(2, keepdim=True),
+                              (w * (sgx - mean * sg)).sum(2, keepdim=True)])
+            if ctx.comm.Get_size() > 1:
+                ab = ag.allreduce_tensor(ab, ctx.comm)
+            inv_n = 1.0 / max(ctx.count, 1)
+            k1 = -(invstd ** 3) * ab[1] * inv_n
+            k0 = -invstd * ab[0] * inv_n - k1 * mean
+            gx = torch.addcmul(k0, x, k1).addcmul_(g, invstd * w)
+        if need_w:
+            assert sgx is not None
+            gw = (invstd * (sgx - mean * sg)).sum(0, keepdim=True)
+        if need_b and ctx.has_bias:
+            gb = sg.sum(0, keepdim=True)
+        return gx, None, None, gw, gb, None, None
+
+
+def _row_dots(g: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """sum(g * x) over the last dim, keeping it (size 1), with no g * x in memory:
+    one batched dot product per row."""
+    rows, n = math.prod(g.shape[:-1]), g.shape[-1]
+    return torch.bmm(g.reshape(rows, 1, n), x.reshape(rows, n, 1)).reshape(*g.shape[:-1], 1)
