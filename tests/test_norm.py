@@ -333,3 +333,19 @@ def test_can_fail():
     with pytest.raises(AssertionError):
         assert_matches_single_process(block_stats, global_tensor((2, C, 6), seed=INPUT_SEED),
                                       grid, {2: 0})
+
+
+def test_group_norm_refuses_a_second_derivative_where_statistics_are_shared():
+    """The fused sharded path differentiates once: a gradient of a gradient
+    raises on every rank instead of missing the allreduce's terms."""
+    shape = (2, C, 7, 6)
+    grid, shard, sizes = layout(shape, (2, 3), 2, "even")
+    x = shard_like(global_tensor(shape, torch.float64, INPUT_SEED), grid, shard, sizes)
+    x.requires_grad_(True)
+    y = F.group_norm(x, 2)
+    (g,) = torch.autograd.grad((y * y).sum(), x, create_graph=True)
+    if any(grid.dims[a] > 1 for d, a in shard.items() if d >= 2):
+        with pytest.raises(RuntimeError, match="once_differentiable"):
+            g.sum().backward()
+    else:  # torch's own kernel on a whole block: twice differentiable
+        g.sum().backward()

@@ -28,6 +28,7 @@ import math
 
 import torch
 from mpi4py import MPI
+from torch.autograd.function import once_differentiable
 
 from .. import autograd as ag
 
@@ -50,6 +51,7 @@ class GroupAffine(torch.autograd.Function):
         return torch.addcmul(c, x, a)
 
     @staticmethod
+    @once_differentiable  # the allreduce inside is not: a second derivative raises
     def backward(ctx, g):
         x, mean, invstd, weight = ctx.saved_tensors
         need_x, _, _, need_w, need_b = ctx.needs_input_grad[:5]
