@@ -273,6 +273,30 @@ def test_scaling_steps_train_or_only_infer(model, shape):
             assert all(p.grad is None for p in made.parameters())
 
 
+def test_scaling_ceiling_comes_from_the_lone_block():
+    """Strong scaling's ceiling at n ranks is T1(field) / (n T1(block)), from the
+    weak run's 1-rank job on the same block; none where no 1-rank job ran it."""
+    from domainpar.bench import scaling
+
+    def job(shape, t):
+        return {"ranks": 0, "local_shape": list(shape), "median_step_s": t}
+
+    def jobs():  # _figures adds to the points it is given: a fresh set per call
+        return {1: {"strong": {**job((1, 2, 8, 8), 1.0), "ranks": 1},
+                    "weak": {**job((1, 2, 4, 8), 0.6), "ranks": 1}},
+                2: {"strong": {**job((1, 2, 4, 8), 0.625), "ranks": 2},
+                    "weak": {**job((1, 2, 4, 8), 0.7), "ranks": 2}},
+                4: {"strong": {**job((1, 2, 2, 8), 0.5), "ranks": 4},
+                    "weak": {**job((1, 2, 4, 8), 0.8), "ranks": 4}}}
+    figures = scaling._figures(jobs(), ("strong", "weak"))
+    two = figures["strong"]["points"]["2"]
+    assert two["efficiency"] == pytest.approx(0.8)
+    assert two["ceiling"] == pytest.approx(1.0 / (2 * 0.6))
+    assert two["efficiency_vs_ceiling"] == pytest.approx(0.8 * 1.2)
+    assert "ceiling" not in figures["strong"]["points"]["4"]
+    assert "ceiling" not in scaling._figures(jobs(), ("strong",))["strong"]["points"]["2"]
+
+
 def test_compare_rejects_unknown_keys_and_values(capsys):
     parser = cli.build_parser()
     for words, says in ((["FOO=1"], "valid keys: DOMAINPAR_HALO_WAY"),

@@ -159,13 +159,34 @@ def _efficiencies(points: dict, mode: str) -> None:
 
 
 def _figures(jobs_by_count: dict, modes) -> dict:
-    """One configuration's points per mode, with efficiencies."""
+    """One configuration's points per mode, with efficiencies (and ceilings)."""
     out = {}
     for mode in modes:
         points = {str(n): job[mode] for n, job in jobs_by_count.items()}
         _efficiencies(points, mode)
         out[mode] = {"points": points}
+    _ceilings(out)
     return out
+
+
+def _ceilings(figures: dict) -> None:
+    """Add to each strong point whose block the 1-rank weak job also ran (n = 2 by
+    default) the efficiency it would have if each rank took what one process takes
+    on that block alone: ``ceiling`` = T1(field) / (n T1(block)), below 1 where a
+    block costs more than its share of the field; and ``efficiency_vs_ceiling``."""
+    if "strong" not in figures or "weak" not in figures:
+        return
+    lone = {tuple(p["local_shape"]): p["median_step_s"]
+            for p in figures["weak"]["points"].values() if p["ranks"] == 1}
+    points = figures["strong"]["points"]
+    base = points[min(points, key=int)]
+    if base["ranks"] != 1:
+        return
+    for p in points.values():
+        block = lone.get(tuple(p["local_shape"]))
+        if p["ranks"] > 1 and block:
+            p["ceiling"] = base["median_step_s"] / (p["ranks"] * block)
+            p["efficiency_vs_ceiling"] = p["efficiency"] / p["ceiling"]
 
 
 def _pool(jobs: list, modes) -> dict:
@@ -281,6 +302,12 @@ def _print(report: dict, modes, log) -> None:
                     f"{min(p['samples_s']):6.3f}-{max(p['samples_s']):6.3f} "
                     f"{p['speedup']:8.2f} {p['efficiency']:10.2f}"
                     + (_together_columns(p) if together else "") + note)
+    for name, part in configs:
+        for n, p in part.get("strong", {}).get("points", {}).items():
+            if "ceiling" in p:
+                log(f"{name + ' ' if len(configs) > 1 else ''}strong, {n} ranks: ceiling "
+                    f"{p['ceiling']:.2f} (1 rank on the field / {n} x 1 rank on one block), "
+                    f"efficiency against it {p['efficiency_vs_ceiling']:.2f}")
     if "ratio_B_over_A" in report:
         for mode in modes:
             log(ratio_line(f"{mode} step (per rank count)", report["ratio_B_over_A"][mode]))
