@@ -34,7 +34,7 @@ Backward is autograd's through these steps; the elementwise normalization
 (``Affine``) saves the input block, not a normalized copy of it, and computes
 its gradients from (x - mean), which stays exact under a large offset. A
 float32 or float64 group_norm instead takes steps 1-3 without a graph and
-fuses step 4 with its backward as torch's kernel does (``ops.fusednorm``):
+fuses step 4 with its backward as torch's kernel does (``ops.affine``):
 about four passes over the block in place of a dozen, one allreduce in
 backward, and torch's own rounding.
 
@@ -84,8 +84,8 @@ from ..tensor.dispatch import UnsupportedOpError, op_name, register
 from ..tensor.domain_tensor import DomainTensor
 from ..tensor.params import enter_domain
 from . import window
+from .affine import Affine, GroupAffine, opmath
 from .common import bind
-from .fusednorm import GroupAffine
 
 
 # -- arguments ---------------------------------------------------------------------------------
@@ -224,11 +224,6 @@ def moments(local: torch.Tensor, dims, comm: MPI.Comm, counts):
     return mean, m2, n
 
 
-def opmath(dtype: torch.dtype) -> torch.dtype:
-    """The type torch's CPU and CUDA kernels compute a half type in: float32."""
-    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
-
-
 def _invstd(m2: torch.Tensor, n: int, eps: float) -> torch.Tensor:
     return torch.rsqrt(m2 / max(n, 1) + eps)
 
@@ -240,46 +235,6 @@ def _enter_stats(mean, invstd, comm):
         return mean, invstd
     both = ag.broadcast(torch.stack([mean, invstd]), comm)
     return both[0], both[1]
-
-
-class Affine(torch.autograd.Function):
-    """Local. (x - mean) * invstd * weight + bias, every operand broadcast against
-    x (weight and bias may be None). Saves x and the small operands only (torch's
-    fused kernels save no more); backward forms (x - mean) again, which keeps the
-    weight and statistics gradients exact under a large offset. A half-type x
-    (autocast) is computed in float32 and the result rounded to x's type, as
-    torch's mixed-type kernels do; x is saved as it is."""
-
-    @staticmethod
-    def forward(ctx, x, mean, invstd, weight, bias):
-        scale = invstd if weight is None else invstd * weight
-        out = (x.to(opmath(x.dtype)) - mean).mul_(scale)
-        if bias is not None:
-            out.add_(bias)
-        ctx.save_for_backward(x, mean, invstd, weight)
-        ctx.bias_shape = None if bias is None else bias.shape
-        return out if x.dtype == opmath(x.dtype) else out.to(x.dtype)
-
-    @staticmethod
-    def backward(ctx, g):
-        x, mean, invstd, weight = ctx.saved_tensors
-        x_type, x, g = x.dtype, x.to(opmath(x.dtype)), g.to(opmath(g.dtype))
-        need_x, need_mean, need_inv, need_w, need_b = ctx.needs_input_grad
-        scale = invstd if weight is None else invstd * weight
-        gx = gmean = ginv = gw = gb = None
-        if need_x or need_mean:
-            gs = g * scale
-            gx = gs.to(x_type) if need_x else None
-            gmean = -gs.sum_to_size(mean.shape) if need_mean else None
-        if need_inv or need_w:
-            gdev = g * (x - mean)
-            if need_inv:
-                ginv = (gdev if weight is None else gdev * weight).sum_to_size(invstd.shape)
-            if need_w:
-                gw = (gdev * invstd).sum_to_size(weight.shape)
-        if need_b:
-            gb = g.sum_to_size(ctx.bias_shape)
-        return gx, gmean, ginv, gw, gb
 
 
 def normalize(local, dims, comm, counts, eps, weight=None, bias=None):

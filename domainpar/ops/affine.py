@@ -1,11 +1,12 @@
-"""The elementwise half of a sharded group norm, fused as torch's own kernel is.
+"""The elementwise halves of the sharded norms: (x - mean) * invstd * weight +
+bias on this rank's block, with the statistics ``norm.moments`` took over the
+ranks that share them.
 
-``norm.group_norm`` takes the statistics of groups cut over several ranks with
-``norm.moments`` (Chan's combination, identical bits on every rank); what is
-left is y = (x - mean) * invstd * weight + bias on this rank's block, and its
-backward. Written with autograd's elementwise ops (``norm.Affine`` and the
-moments' own graph) that backward reads and writes the block about a dozen
-times; ``GroupAffine`` does what torch's CPU kernel does, in about four passes:
+``Affine`` is the general one: autograd carries the statistics' dependence on
+the block through ``norm.moments`` and the broadcast that enters them, so its
+backward reads and writes the block about a dozen times with the moments'.
+``GroupAffine`` (float32 and float64 group_norm) does what torch's CPU kernel
+does, in about four passes:
 
 - forward: y = x * a + c, a = invstd * weight and c = bias - mean * a per
   (sample, channel): one pass (torch's kernel has the same form, and so the
@@ -31,6 +32,51 @@ from mpi4py import MPI
 from torch.autograd.function import once_differentiable
 
 from .. import autograd as ag
+
+
+def opmath(dtype: torch.dtype) -> torch.dtype:
+    """The type torch's CPU and CUDA kernels compute a half type in: float32."""
+    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+
+
+class Affine(torch.autograd.Function):
+    """Local. (x - mean) * invstd * weight + bias, every operand broadcast against
+    x (weight and bias may be None). Saves x and the small operands only (torch's
+    fused kernels save no more); backward forms (x - mean) again, which keeps the
+    weight and statistics gradients exact under a large offset. A half-type x
+    (autocast) is computed in float32 and the result rounded to x's type, as
+    torch's mixed-type kernels do; x is saved as it is."""
+
+    @staticmethod
+    def forward(ctx, x, mean, invstd, weight, bias):
+        scale = invstd if weight is None else invstd * weight
+        out = (x.to(opmath(x.dtype)) - mean).mul_(scale)
+        if bias is not None:
+            out.add_(bias)
+        ctx.save_for_backward(x, mean, invstd, weight)
+        ctx.bias_shape = None if bias is None else bias.shape
+        return out if x.dtype == opmath(x.dtype) else out.to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, g):
+        x, mean, invstd, weight = ctx.saved_tensors
+        x_type, x, g = x.dtype, x.to(opmath(x.dtype)), g.to(opmath(g.dtype))
+        need_x, need_mean, need_inv, need_w, need_b = ctx.needs_input_grad
+        scale = invstd if weight is None else invstd * weight
+        gx = gmean = ginv = gw = gb = None
+        if need_x or need_mean:
+            gs = g * scale
+            gx = gs.to(x_type) if need_x else None
+            gmean = -gs.sum_to_size(mean.shape) if need_mean else None
+        if need_inv or need_w:
+            gdev = g * (x - mean)
+            if need_inv:
+                ginv = (gdev if weight is None else gdev * weight).sum_to_size(invstd.shape)
+            if need_w:
+                gw = (gdev * invstd).sum_to_size(weight.shape)
+        if need_b:
+            gb = g.sum_to_size(ctx.bias_shape)
+        return gx, gmean, ginv, gw, gb
 
 
 class GroupAffine(torch.autograd.Function):
