@@ -225,6 +225,25 @@ def test_repartition_adjoint(grid_ndim, seed):
     assert_close(_vjp(f, x, y), _block(src, seed + 1), rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("grid_ndim,seed", CASES[:6])
+def test_repartition_of_strided_blocks_and_gradients(grid_ndim, seed):
+    """Repartition packs straight out of a strided block (a transposed view, a
+    slice with steps; no contiguous copy first) and takes a strided gradient:
+    the same values as from contiguous ones, forward and backward."""
+    src, rng = _decomposition(grid_ndim, seed)
+    dst = random_decomposition(rng, src.grid, src.global_shape)
+    f = lambda t: ag.Repartition.apply(t, src, dst)  # noqa: E731
+    x = _block(src, seed)
+    strided = x.mT.contiguous().mT if x.ndim >= 2 else x
+    stepped = torch.stack([x, torch.zeros_like(x)], 1).flatten(0, 1)[0::2] if x.ndim else x
+    for view in (strided, stepped):
+        assert torch.equal(view, x)
+        assert_close(f(view), _block(dst, seed), rtol=0, atol=0)
+    y = _block(dst, seed + 1)
+    y_strided = y.mT.contiguous().mT if y.ndim >= 2 else y
+    assert_close(_vjp(f, x, y_strided), _block(src, seed + 1), rtol=0, atol=0)
+
+
 # -- no P-fold gradients ----------------------------------------------------------------------------
 @pytest.mark.parametrize("grid_ndim", [1, 2, 3])
 def test_mean_of_a_sharded_tensor_has_gradient_one_over_n(grid_ndim):

@@ -14,14 +14,16 @@ from torch.utils.dlpack import from_dlpack
 from ..comm import buffers
 
 
-def to_array(t: torch.Tensor) -> buffers.Array:
-    """A numpy or CuPy view of ``t``'s data (made contiguous first if needed)."""
+def to_array(t: torch.Tensor, contiguous: bool = True) -> buffers.Array:
+    """A numpy or CuPy view of ``t``'s data (made contiguous first if needed, or,
+    with ``contiguous=False``, with ``t``'s strides, for a collective that copies
+    it out piece by piece anyway)."""
     # A lazy conjugate or negation (x.conj(), x.imag of one) is a bit on the tensor
     # that DLPack and numpy cannot carry: materialise it.
     t = t.detach().resolve_conj().resolve_neg()
     if t._is_zerotensor():  # autograd's storage-less zeros (sgn's gradient of a real input)
         t = torch.zeros(t.shape, dtype=t.dtype, device=t.device)
-    if not t.is_contiguous():
+    if contiguous and not t.is_contiguous():
         t = t.contiguous()
     if t.dtype == torch.bool:  # DLPack has bool, but numpy's from_dlpack may not
         return buffers.as_array(t.view(torch.uint8)).view(np.bool_)

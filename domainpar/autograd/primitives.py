@@ -225,11 +225,13 @@ class Repartition(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, block: torch.Tensor, src: Decomposition, dst: Decomposition) -> torch.Tensor:
         ctx.src, ctx.dst = src, dst
-        return from_array(collectives.repartition(to_array(block), src, dst), block)
+        # strided as it is: the send boxes are packed out of it, one copy either way
+        sent = to_array(block, contiguous=False)
+        return from_array(collectives.repartition(sent, src, dst), block)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        return Repartition.apply(grad.contiguous(), ctx.dst, ctx.src), None, None
+        return Repartition.apply(grad, ctx.dst, ctx.src), None, None
 
 
 # -- mirror exchange (the data movement of a flip along a sharded dim) ----------------------
