@@ -175,8 +175,8 @@ def _conv_plan(func, x: DomainTensor, weight, bias, options: tuple, nsp: int) ->
     widths = {d: (p.lo, p.hi) for d, p in plans.items() if p.lo or p.hi}
     windows = {d: p.window(window.coordinate(dec, d)) for d, p in plans.items()}
     spec = ConvSpec(func, tuple(stride), tuple(torch_pads), tuple(dilation), groups,
-                     tuple(sorted(widths.items())), tuple(sorted(windows.items())),
-                     out_dec.local_shape())
+                    tuple(sorted(widths.items())), tuple(sorted(windows.items())),
+                    out_dec.local_shape())
     return _ConvPlan(out_dec, spec, any(d in dec.shard for d in widths))
 
 

@@ -18,8 +18,9 @@ as below; where running statistics are updated, only when no dim at all is cut
 collective over the grid axes that cut the reduced dims:
 
 1. each rank takes its block's moments (count n_i, mean_i, M2_i) in two
-   passes (the mean, then the squared deviations); n_i follows from the layout, no message carries it;
-   an empty block has n_i = 0 and stays in the autograd graph;
+   passes (the mean, then the squared deviations); n_i follows from the
+   layout, no message carries it; an empty block has n_i = 0 and stays in the
+   autograd graph;
 2. every rank gets every rank's (mean_i, M2_i): each writes its pair into its
    row of a zero [P, 2, ...] tensor, summed by a differentiable allreduce
    (adding zeros is exact, so every rank holds the same bits);
@@ -200,7 +201,7 @@ def moments(local: torch.Tensor, dims, comm: MPI.Comm, counts):
         # on 16 MiB of float32 with torch 2.13)
         mean_i = local.mean(dim=dims, keepdim=True)
         dev = local - mean_i
-        sq = dev.mul_(dev) if not (torch.is_grad_enabled() and dev.requires_grad) else dev * dev
+        sq = dev * dev if dev.requires_grad else dev.mul_(dev)  # in place outside a graph
         m2_i = sq.sum(dim=dims, keepdim=True)
     if comm.Get_size() == 1:
         return mean_i, m2_i, n_me
