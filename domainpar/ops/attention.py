@@ -77,7 +77,7 @@ from ..tensor import layout
 from ..tensor.dispatch import UnsupportedOpError, op_name, register, same_grid
 from ..tensor.domain_tensor import DomainTensor
 from ..tensor.params import enter_domain
-from .common import bind
+from .common import bind, meta_call
 from .common import meta as _meta
 from .ring import FLASH_DTYPES, RingAttention, RingSpec
 
@@ -280,8 +280,8 @@ def scaled_dot_product_attention(func, args, kwargs):
     if isinstance(mask, DomainTensor):
         raise _refuse(func, "attn_mask must be a plain (replicated) tensor, not a DomainTensor")
     # torch's own checks and errors, from the global shapes, on every rank alike
-    func(_meta(q), _meta(k), _meta(v), attn_mask=_meta(mask), dropout_p=0.0,
-         is_causal=a["is_causal"], scale=a["scale"], enable_gqa=a["enable_gqa"])
+    meta_call(func, _meta(q), _meta(k), _meta(v), attn_mask=_meta(mask), dropout_p=0.0,
+              is_causal=a["is_causal"], scale=a["scale"], enable_gqa=a["enable_gqa"])
     return attention(func, q, k, v, masks=() if mask is None else (mask,),
                      causal=a["is_causal"], scale=a["scale"], gqa=a["enable_gqa"])
 
@@ -313,7 +313,7 @@ def multi_head_attention_forward(func, args, kwargs):
     # torch's own checks and errors on the global shapes (need_weights off: refused above)
     meta = {n: _meta(x) for n, x in a.items()}
     meta["need_weights"] = False
-    func(**meta)
+    meta_call(func, **meta)
 
     kpm = F._canonical_mask(mask=a["key_padding_mask"], mask_name="key_padding_mask",
                             other_type=F._none_or_dtype(a["attn_mask"]),

@@ -71,7 +71,6 @@ before any message.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 
 import torch
@@ -86,38 +85,15 @@ from ..tensor.domain_tensor import DomainTensor
 from ..tensor.params import enter_domain
 from . import window
 from .affine import Affine, GroupAffine, opmath
-from .common import bind
+from .common import bind, meta_call, signature, stand_in
 
 
 # -- arguments ---------------------------------------------------------------------------------
-def _signature(a):
-    if isinstance(a, torch.Tensor):
-        return ("tensor", tuple(a.shape), a.dtype)
-    return tuple(a) if isinstance(a, list) else a
-
-
-def _unsigned(s):
-    if isinstance(s, tuple) and len(s) == 3 and s[0] == "tensor":
-        return torch.empty(s[1], dtype=s[2], device="meta")
-    return s
-
-
-@functools.lru_cache(maxsize=1024)
-def _checked(func, signature) -> None:
-    func(*(_unsigned(s) for s in signature))
-
-
 def torch_checks(func, *args) -> None:
     """torch's own argument errors, from the global shapes on the meta device, on
-    every rank alike before any message. Cached per signature: a model calls the
-    same layer with the same shapes every step (errors are not cached)."""
-    signature = tuple(_signature(a) for a in args)
-    try:
-        hash(signature)
-    except TypeError:  # an unhashable argument: check without the cache
-        func(*(_unsigned(s) for s in signature))
-        return
-    _checked(func, signature)
+    every rank alike before any message (``common.meta_call``: cached per signature,
+    errors not cached)."""
+    meta_call(func, *(stand_in(a) for a in args))
 
 
 def _check_operands(func, x, **plain) -> None:
@@ -389,7 +365,7 @@ def group_norm(func, args, kwargs):
     x, groups, w, b, eps = a["input"], a["num_groups"], a["weight"], a["bias"], a["eps"]
     _check_operands(func, x, weight=w, bias=b)
     dec, local, nd = x._dec, x._local, x.ndim
-    key = ("group_norm", dec, _signature(x), groups, _signature(w), _signature(b), eps)
+    key = ("group_norm", dec, signature(x), groups, signature(w), signature(b), eps)
     plan = layout.planned(key, lambda: _group_plan(func, x, groups, w, b, eps))
     weight, bias = _channel_params(dec, w, b, nd)
     if plan.comm is None:

@@ -51,7 +51,7 @@ from ..tensor import layout
 from ..tensor.dispatch import UnsupportedOpError, op_name, register
 from ..tensor.domain_tensor import DomainTensor
 from . import window
-from .common import bind
+from .common import bind, meta_call, stand_in
 
 _NAMES = ("input", "size", "scale_factor", "mode", "align_corners", "recompute_scale_factor",
           "antialias")
@@ -219,7 +219,7 @@ def interpolate(func, args, kwargs):
     x = a["input"]
     opts = {k: a[k] for k in _NAMES[1:]}
     # torch's own checks and output shape, from the global shape on every rank alike
-    out_shape = tuple(func(torch.empty(x.shape, dtype=x.dtype, device="meta"), **opts).shape)
+    out_shape = tuple(meta_call(func, stand_in(x), **opts).shape)
     dec = x._dec
     if 1 in dec.shard:
         raise UnsupportedOpError(
