@@ -356,6 +356,7 @@ def backward_in_pieces(monkeypatch):
     (dim, rows) plans the backward took."""
     from domainpar.ops import conv as conv_ops
     monkeypatch.setattr(conv_ops, "_PIECE_CELLS", 1)
+    monkeypatch.setattr(conv_ops, "_PIECE_ROWS", 1)
     monkeypatch.setattr(conv_ops, "_PIECES", 3)
     taken = []
     row_pieces = conv_ops._row_pieces
@@ -367,6 +368,26 @@ def backward_in_pieces(monkeypatch):
 
     monkeypatch.setattr(conv_ops, "_row_pieces", spy)
     return taken
+
+
+@pytest.mark.parametrize("rows, pieces", [(64, 8), (40, 5), (32, 4), (16, 2), (15, 1), (7, 1)])
+def test_backward_pieces_are_at_least_eight_rows_thick(rows, pieces):
+    """A large block goes in at most 8 pieces along D, none thinner than 8 output
+    rows (thin slabs cost oneDNN more than their memory saves); within
+    ``backward_in_pieces_at_any_size`` (``domainpar plan``'s scaled-down blocks)
+    as many pieces as rows allow, up to 8."""
+    from domainpar.ops import conv as conv_ops
+    padded = (1, 64, rows + 2, 34, 34)  # far above the 16k-cell floor
+    spec = conv_ops.ConvSpec(F.conv3d, (1, 1, 1), (0, 1, 1), (1, 1, 1), 1, ((2, (1, 1)),),
+                             ((2, (0, rows + 2)),), (1, 4, rows, 32, 32))
+    plan = conv_ops._row_pieces(spec, padded)
+    assert (1 if plan is None else len(plan[1])) == pieces
+    if plan is not None:
+        assert plan[0] == 2 and all(b - a >= 8 for a, b in plan[1])
+        assert plan[1][0][0] == 0 and plan[1][-1][1] == rows
+    with conv_ops.backward_in_pieces_at_any_size():
+        plan = conv_ops._row_pieces(spec, padded)
+    assert len(plan[1]) == min(8, rows)
 
 
 @pytest.mark.parametrize("case", _conv_cases(24, seed=17), ids=lambda c: "-".join(map(str, c)))

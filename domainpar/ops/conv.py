@@ -273,6 +273,11 @@ class HaloConv(torch.autograd.Function):
 # differentiated once); what is added is a copy of each piece's gradient rows.
 _PIECES = 8              # at most this many pieces: the copy at the peak is 1/8 of the block
 _PIECE_CELLS = 1 << 14   # but none smaller than this many cells (64 KiB of float32)
+_PIECE_ROWS = 8          # nor thinner than this many output rows
+# Thin pieces cost more than they save: each is a conv backward of its own, and
+# oneDNN is slow on slabs a few rows thin (a 8 -> 4 channel conv on 1x8x32x64x64:
+# 40 ms in 8 pieces of 4 rows, 30 ms in 4 of 8). A UNet3d step (1x2x64^3, 2 ranks)
+# took 1.13-1.14x as long with pieces of 1 row up, at the same peak (43.5 MiB).
 
 
 @contextlib.contextmanager
@@ -281,12 +286,12 @@ def backward_in_pieces_at_any_size():
     many as its output rows allow, up to ``_PIECES``). For ``domainpar plan``:
     its scaled-down blocks must hold at the peak what the full-size blocks of
     the run it plans hold, and those are cut."""
-    global _PIECE_CELLS
-    saved, _PIECE_CELLS = _PIECE_CELLS, 1
+    global _PIECE_CELLS, _PIECE_ROWS
+    saved, _PIECE_CELLS, _PIECE_ROWS = (_PIECE_CELLS, _PIECE_ROWS), 1, 1
     try:
         yield
     finally:
-        _PIECE_CELLS = saved
+        _PIECE_CELLS, _PIECE_ROWS = saved
 
 
 def _padded_backward(grad, block, weight, slabs, spec: ConvSpec, padded_shape, mask):
@@ -333,7 +338,7 @@ def _row_pieces(spec: ConvSpec, padded_shape):
             break
     else:
         return None
-    count = min(count, spec.out_shape[dim])
+    count = min(count, spec.out_shape[dim] // _PIECE_ROWS)
     if count < 2:
         return None
     bounds = np.linspace(0, spec.out_shape[dim], count + 1).round().astype(int)
