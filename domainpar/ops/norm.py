@@ -225,12 +225,16 @@ def normalize(local, dims, comm, counts, eps, weight=None, bias=None):
     return Affine.apply(local, mean_b, invstd_b, weight, bias), mean, m2, n
 
 
-def _empty_or(local, out_fn, *params):
-    """``out_fn()`` on a non-empty block; on an empty one, zeros still in the graph
-    of the parameters (their broadcast's backward is collective)."""
+def _on_block(func, local, dec, weight, bias, lead=(), trail=(), flat=True) -> DomainTensor:
+    """Local. torch's own kernel ``func(local, *lead, weight, bias, *trail)`` on this
+    block, laid out by ``dec`` (weight and bias flattened to 1-D with ``flat``, as the
+    per-channel norms take them); on an empty block, zeros still in the graph of the
+    parameters (their broadcast's backward is collective)."""
     if local.numel() == 0:
-        return window.placeholder(local.shape, local, local, *params)
-    return out_fn()
+        return DomainTensor(window.placeholder(local.shape, local, local, weight, bias), dec)
+    w, b = ((None if p is None else p.reshape(-1)) for p in (weight, bias)) if flat \
+        else (weight, bias)
+    return DomainTensor(func(local, *lead, w, b, *trail), dec)
 
 
 # -- running statistics -----------------------------------------------------------------------
@@ -301,11 +305,9 @@ def batch_norm(func, args, kwargs):
     if not training or _block_statistics(dec, dims, rm is not None or rv is not None):
         # The running statistics (elementwise per channel), or statistics per channel
         # within the block: torch's kernel on the block.
-        rm_l, rv_l = _channel_slice(rm, dec), _channel_slice(rv, dec)
-        return DomainTensor(_empty_or(local, lambda: func(
-            local, rm_l, rv_l, None if weight is None else weight.reshape(-1),
-            None if bias is None else bias.reshape(-1), training, momentum, eps),
-            weight, bias), dec)
+        return _on_block(func, local, dec, weight, bias,
+                         (_channel_slice(rm, dec), _channel_slice(rv, dec)),
+                         (training, momentum, eps))
 
     comm, counts = _statistics_plan(dec, dims)
     out, mean, m2, n = normalize(local, dims, comm, counts, eps, weight, bias)
@@ -337,11 +339,9 @@ def instance_norm(func, args, kwargs):
         # The running statistics (elementwise per channel), or statistics per sample
         # and channel within the block: torch's kernel on the block. It updates running
         # statistics only where nothing is cut (the block is the whole tensor).
-        rm_l, rv_l = _channel_slice(rm, dec), _channel_slice(rv, dec)
-        return DomainTensor(_empty_or(local, lambda: func(
-            local, rm_l, rv_l, None if weight is None else weight.reshape(-1),
-            None if bias is None else bias.reshape(-1), use_input_stats, momentum, eps),
-            weight, bias), dec)
+        return _on_block(func, local, dec, weight, bias,
+                         (_channel_slice(rm, dec), _channel_slice(rv, dec)),
+                         (use_input_stats, momentum, eps))
 
     comm, counts = _statistics_plan(dec, spatial)
     out, mean, m2, n = normalize(local, spatial, comm, counts, eps, weight, bias)
@@ -369,9 +369,7 @@ def group_norm(func, args, kwargs):
     plan = layout.planned(key, lambda: _group_plan(func, x, groups, w, b, eps))
     weight, bias = _channel_params(dec, w, b, nd)
     if plan.comm is None:
-        return DomainTensor(_empty_or(local, lambda: func(
-            local, plan.local_groups, None if weight is None else weight.reshape(-1),
-            None if bias is None else bias.reshape(-1), eps), weight, bias), dec)
+        return _on_block(func, local, dec, weight, bias, (plan.local_groups,), (eps,))
     if local.dtype in (torch.float32, torch.float64):
         return DomainTensor(_fused_groups(local, plan, eps, weight, bias), dec)
     # (N, G, C/G, spatial...): statistics per (sample, group) over dims 2.. of the view.
@@ -450,8 +448,7 @@ def layer_norm(func, args, kwargs):
     weight = None if w is None else enter_domain(w, dec, sliced)
     bias = None if b is None else enter_domain(b, dec, sliced)
     if _block_statistics(dec, dims):
-        return DomainTensor(_empty_or(local, lambda: func(local, shape, weight, bias, eps),
-                                      weight, bias), dec)
+        return _on_block(func, local, dec, weight, bias, (shape,), (eps,), flat=False)
     comm, counts = _statistics_plan(dec, dims)
     out, _, _, _ = normalize(local, dims, comm, counts, eps, weight, bias)
     return DomainTensor(out, dec)
