@@ -80,11 +80,13 @@ def _flat(pads: dict[int, tuple[int, int]], ndim: int, length: int) -> list[int]
 _EDGE_SLACK = 1.25
 
 
+@functools.lru_cache(maxsize=1024)
 def _constant_plan(n: int, in_sizes: tuple[int, ...], lo: int, hi: int):
     """(input block sizes, per-block (lo, hi) widths, output block sizes) of a
     constant pad by ``(lo, hi)`` of a dim of ``n`` cells cut into ``in_sizes``:
     the edge blocks grow, or, when that is too unbalanced (``_EDGE_SLACK``), the
-    output is balanced and each block holds the input cells inside its range."""
+    output is balanced and each block holds the input cells inside its range.
+    Cached: a model pads the same layout every step."""
     edge = list(in_sizes)
     edge[0] += lo
     edge[-1] += hi
@@ -107,7 +109,7 @@ def _constant(x: DomainTensor, pads: dict[int, tuple[int, int]], sharded, out_sh
     """Constant-mode pad. Local, or collective (one repartition, moving input cells
     only) where the output is balanced (``_constant_plan``)."""
     dec = x._dec
-    plans = {d: _constant_plan(x.shape[d], dec.block_sizes(d), lo, hi)
+    plans = {d: _constant_plan(x.shape[d], tuple(dec.block_sizes(d)), lo, hi)
              for d, (lo, hi) in sharded.items()}
     held = layout.derive(dec, x.shape, dec.shard,
                          {d: plans[d][0] if d in plans else dec.block_sizes(d)
