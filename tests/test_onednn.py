@@ -67,6 +67,23 @@ def test_private_query_exists():
         f"torch {torch.__version__} lacks torch._C._select_conv_backend: onednn.py is inert"
 
 
+def test_direct_kernel_exists_and_runs_the_thin_block_as_it_lies():
+    """A conv's forward calls torch.mkldnn_convolution (undocumented) on the block as
+    it lies: oneDNN's kernel, no reordered view, no copy of the block or of the
+    output, a contiguous output; torch's default runs im2col there."""
+    assert onednn._DIRECT is torch.mkldnn_convolution, \
+        f"torch {torch.__version__} lacks torch.mkldnn_convolution: forwards reorder instead"
+    x, w, b = (t.float() for t in _operands(THIN, (3, 8, 3, 3, 3), 6))
+    opts = (CONV["stride"], CONV["padding"], CONV["dilation"], CONV["groups"])
+    with profile() as prof:
+        out = onednn.local_conv(F.conv3d, x, w, b, *opts)
+    names = {e.name for e in prof.events()}
+    assert "aten::mkldnn_convolution" in names and not any("slow" in n for n in names)
+    assert not names & {"aten::permute", "aten::copy_", "aten::to_mkldnn"}
+    assert out.is_contiguous()
+    _close_to_truth(out, F.conv3d(x.double(), w.double(), b.double(), *opts))
+
+
 def test_thin_block_is_reordered_onto_onednn():
     w_shape = (3, 8, 3, 3, 3)
     assert "Slow" in _backend(THIN, w_shape, CONV)

@@ -10,14 +10,18 @@ oneDNN on a 1x8x34x66x66 block. ``kernel_order`` asks torch which backend it
 would pick (``torch._C._select_conv_backend``, private: a torch without it
 leaves the choice to torch) and finds a reordering of the spatial dims (a view)
 that gets oneDNN, or else ``LAYOUT``: the block converted to oneDNN's own tensor
-layout. ``local_conv`` and ``local_conv_backward`` run torch's conv that way and
-give the same numbers as torch's default path (to float32 rounding).
+layout. ``local_conv_backward`` runs torch's conv backward that way;
+``local_conv`` runs a conv's forward by torch's oneDNN kernel directly
+(``torch.mkldnn_convolution``, no reordering needed) and a transposed conv's
+reordered. All give the same numbers as torch's default path (to float32
+rounding).
 
 Torch version: checked on torch 2.13.0+cpu (tests/test_onednn.py: the private
-query exists, picks im2col for a thin block and oneDNN for the reordered one,
-and the selected path matches torch's default). The timings above are from
-commit ee1623b, which did not record its torch version. If a torch release
-changes the rule or drops the query, tests/test_onednn.py says so.
+query and the direct kernel exist, the query picks im2col for a thin block and
+oneDNN for the reordered one, and every selected path matches torch's default).
+The timings above are from commit ee1623b, which did not record its torch
+version; those of ``_DIRECT`` from torch 2.13.0+cpu. If a torch release changes
+the rule or drops either, tests/test_onednn.py says so.
 """
 from __future__ import annotations
 
@@ -27,20 +31,32 @@ import torch
 
 LAYOUT = "onednn-layout"  # kernel_order's answer: convert the block to oneDNN's layout
 
+# torch's oneDNN conv kernel itself, under the size rule (public in the torch
+# namespace, undocumented: checked on 2.13.0+cpu by tests/test_onednn.py). A conv's
+# forward calls it on the block as it lies, where a reordered view made oneDNN
+# copy the block into its layout and the output came back strided: 1x2x66x128x128
+# -> 4 channels took 80 ms reordered (and made contiguous), 44 ms direct. Backward
+# has no such entry (torch's convolution_backward applies the rule), so it keeps
+# the reordering. None in a torch without it: the reordering then serves both.
+_DIRECT = getattr(torch, "mkldnn_convolution", None)
+
 
 def local_conv(func, cells, w, b, stride, padding, dilation, groups, output_padding=None):
     """Local. torch's conv (or transposed conv, given ``output_padding``) on this
     rank's cells, by oneDNN where torch would take its im2col path for the block
-    alone (see the module docstring). The size rule reads dims 2 and 3 only, so
-    torch gets the block with its spatial dims reordered (a view; weight and
-    arguments reordered alike), largest first, and the result is reordered back.
-    Where no order passes the rule, a conv converts the block to oneDNN's own
-    layout.
+    alone (see the module docstring). A conv calls torch's oneDNN kernel
+    directly (``_DIRECT``). Otherwise (a transposed conv, or a torch without that
+    entry): the size rule reads dims 2 and 3 only, so torch gets the block with
+    its spatial dims reordered (a view; weight and arguments reordered alike),
+    largest first, and the result is reordered back; where no order passes the
+    rule, a conv converts the block to oneDNN's own layout.
     """
     transposed = output_padding is not None
     order = kernel_order(tuple(cells.shape), cells.dtype, cells.device.type, tuple(w.shape),
                          tuple(stride), tuple(padding), tuple(dilation), groups,
                          tuple(output_padding or ()))
+    if order is not None and not transposed and _DIRECT is not None:
+        return _DIRECT(cells, w, b, list(padding), list(stride), list(dilation), groups)
     if order == LAYOUT:
         return func(cells.to_mkldnn(), w, b, stride, padding, dilation, groups).to_dense()
     if order is not None:
