@@ -397,3 +397,65 @@ def test_time_on_rank0_steps_on_rank0_alone_and_fails_on_every_rank():
     raises_on_every_rank(DomainparError, "rank 0 failed: KeyError: 'broken step'",
                          lambda: time_on_rank0(comm, fails if comm.Get_rank() == 0 else None),
                          comm)
+
+
+# -- bench swap ----------------------------------------------------------------------------------
+@pytest.mark.parametrize("text,message", [
+    ("domainpar.ops.conv:_PIECE_ROWS", "expected MODULE:NAME=VALUE"),
+    ("domainpar.ops.conv=1", "expected MODULE:NAME"),
+    ("os:sep=1", "only domainpar's own modules"),
+    ("domainpar.nope:x=1", "no module 'domainpar.nope'"),
+    ("domainpar.ops.conv:_NOPE=1", "has no attribute '_NOPE'"),
+    ("domainpar.ops.conv:_PIECE_ROWS=f(", "a Python literal"),
+    ("domainpar.ops.conv:_PIECE_ROWS=@domainpar.ops.conv:_NOPE", "has no attribute '_NOPE'"),
+])
+def test_swap_refuses_bad_changes(text, message, capsys):
+    with pytest.raises(SystemExit):
+        cli.build_parser().parse_args(["bench", "swap", "--set", text])
+    assert message in capsys.readouterr().err
+
+
+def test_swapped_sets_and_restores():
+    from domainpar.bench.swap import swapped
+    from domainpar.ops import common, conv
+    rows, cached = conv._PIECE_ROWS, common._meta_cached
+    with swapped(["domainpar.ops.conv:_PIECE_ROWS=3",
+                  "domainpar.ops.common:_meta_cached=@domainpar.ops.common:_meta_cached"
+                  ".__wrapped__"]):
+        assert conv._PIECE_ROWS == 3 and common._meta_cached is cached.__wrapped__
+    assert conv._PIECE_ROWS == rows and common._meta_cached is cached
+    with pytest.raises(KeyError), swapped(["domainpar.ops.conv:_PIECE_ROWS=None"]):
+        raise KeyError("a step that fails under B")
+    assert conv._PIECE_ROWS == rows
+
+
+def test_swap_runs_b_and_only_b_under_the_change(monkeypatch):
+    """In-process, one rank: every conv backward of B's steps sees the changed
+    constant, every one of A's the code's own; it is restored after."""
+    from mpi4py import MPI
+
+    from domainpar.bench import swap
+    from domainpar.ops import conv
+    seen = []
+    row_pieces = conv._row_pieces
+    monkeypatch.setattr(conv, "_row_pieces",
+                        lambda *a: seen.append(conv._PIECE_ROWS) or row_pieces(*a))
+    rows = conv._PIECE_ROWS
+    result = swap.measure(MPI.COMM_SELF, "unet3d", (1, 2, 8, 8, 8),
+                          [f"domainpar.ops.conv:_PIECE_ROWS={rows + 5}"], repeats=2, levels=2)
+    assert len(result["A"]) == len(result["B"]) == 2
+    assert sorted(set(seen)) == [rows, rows + 5]
+    assert seen.count(rows) == seen.count(rows + 5)  # A and B: the same steps, alternating
+    assert conv._PIECE_ROWS == rows
+
+
+def test_swap_command(tmp_path):
+    report, stdout, _ = _bench(tmp_path, "swap", "--model", "fno2d", "--shape", "1", "1", "16",
+                               "16", "--ranks", "1", "--repeats", "2", "--set",
+                               "domainpar.ops.conv:_PIECE_ROWS=1")
+    assert report["changes"] == ["domainpar.ops.conv:_PIECE_ROWS=1"]
+    assert report["global_shape"] == [1, 1, 16, 16] and report["ranks"] == 1
+    a, b = report["A"], report["B"]
+    assert len(a["samples_s"]) == len(b["samples_s"]) == 2
+    assert report["ratio_B_over_A"] == pytest.approx(b["median_step_s"] / a["median_step_s"])
+    assert "B/A median step" in stdout

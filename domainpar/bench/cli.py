@@ -355,6 +355,8 @@ def add_parser(subparsers) -> None:
     _add_balance(bench_sub)
     _add_points(bench_sub)
     _add_step(bench_sub)
+    from .swap import add_parser as add_swap  # torch-free at import, as --help needs
+    add_swap(bench_sub, _add_out)
 
 
 def _add_points(bench_sub) -> None:
@@ -467,3 +469,4 @@ def _add_step(bench_sub) -> None:
     _add_out(step, "step")
     settings.add_argument(step)
     step.set_defaults(run=_bench_step, launches_jobs=True, nprocs=1)
+

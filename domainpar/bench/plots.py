@@ -352,6 +352,11 @@ def _step(report: dict, plt):
     return plot(report, plt)
 
 
+def _swap(report: dict, plt):
+    from .swap import plot  # its module draws it: both configurations' samples
+    return plot(report, plt)
+
+
 _PLOTS = {"halo": _halo, "conv": _conv, "grads": _grads, "attention": _attention, "io": _io,
           "scaling": _scaling, "balance": _balance, "points": _points,
-          "step": _step}
+          "step": _step, "swap": _swap}
