@@ -35,7 +35,7 @@ LAYOUT = "onednn-layout"  # kernel_order's answer: convert the block to oneDNN's
 # namespace, undocumented: checked on 2.13.0+cpu by tests/test_onednn.py). A conv's
 # forward calls it on the block as it lies, where a reordered view made oneDNN
 # copy the block into its layout and the output came back strided: 1x2x66x128x128
-# -> 4 channels took 80 ms reordered (and made contiguous), 44 ms direct. Backward
+# -> 4 channels took 62-64 ms reordered (and made contiguous), 38 ms direct. Backward
 # has no such entry (torch's convolution_backward applies the rule), so it keeps
 # the reordering. None in a torch without it: the reordering then serves both.
 _DIRECT = getattr(torch, "mkldnn_convolution", None)
