@@ -145,7 +145,8 @@ def run(model: str, shape: Sequence[int], changes: Sequence[str], ranks: int = 2
         "local_shape": job["local_shape"], "ranks": ranks, "repeats": repeats,
         "changes": list(changes), "host": platform.node(), "cpus": os.cpu_count() or 1,
         "loadavg_start_end": load, "torch_threads_per_rank": 1,
-        # what the job inherits of the settings domainpar reads (malloc's included)
+        # --compare's keys set where the command ran (malloc's included): the job
+        # inherits them, beside the launcher's defaults (launch.LAUNCH_ENV)
         "environment": {k: v for k, v in current(KEYS).items() if v is not None},
         "A": {"median_step_s": a, "samples_s": job["A"]},
         "B": {"median_step_s": b, "samples_s": job["B"]}, "ratio_B_over_A": b / a}
