@@ -469,4 +469,3 @@ def _add_step(bench_sub) -> None:
     _add_out(step, "step")
     settings.add_argument(step)
     step.set_defaults(run=_bench_step, launches_jobs=True, nprocs=1)
-

@@ -54,7 +54,7 @@ from ..tensor import layout
 from ..tensor.dispatch import UnsupportedOpError, op_name, register
 from ..tensor.domain_tensor import DomainTensor
 from . import window
-from .common import bind
+from .common import bind, stand_in
 from .reduce import allreduce_extremum, global_first_index, global_flat_index, lowest
 
 _NN = torch._C._nn
@@ -76,10 +76,6 @@ def _expand(v, n: int) -> tuple[int, ...]:
     if isinstance(v, (tuple, list, torch.Size)):
         return tuple(int(a) for a in v) * (n if len(v) == 1 else 1)
     return (int(v),) * n
-
-
-def _meta(x: DomainTensor) -> torch.Tensor:
-    return torch.empty(x.shape, dtype=x.dtype, device="meta")
 
 
 def _input(func, x) -> DomainTensor:
@@ -123,7 +119,7 @@ def _sharded_spatial(x: DomainTensor, nsp: int) -> list[int]:
 
 def max_pool(x: DomainTensor, nsp: int, kernel, stride, padding, dilation, ceil_mode: bool):
     """Neighbour-wise collective. (values, global flat indices) as DomainTensors."""
-    out_shape = tuple(_MAX_WITH_INDICES[nsp](_meta(x), kernel, stride, padding, dilation,
+    out_shape = tuple(_MAX_WITH_INDICES[nsp](stand_in(x), kernel, stride, padding, dilation,
                                              ceil_mode)[0].shape)
     local = x._local
     if not _sharded_spatial(x, nsp):
@@ -174,7 +170,7 @@ def avg_pool(x: DomainTensor, nsp: int, kernel, stride, padding, ceil_mode: bool
              count_include_pad: bool, divisor_override):
     """Neighbour-wise collective. The average pool as a DomainTensor."""
     extra = () if nsp == 1 else (divisor_override,)
-    out_shape = tuple(_AVG[nsp](_meta(x), kernel, stride, padding, ceil_mode,
+    out_shape = tuple(_AVG[nsp](stand_in(x), kernel, stride, padding, ceil_mode,
                                 count_include_pad, *extra).shape)
     local = x._local
     if not _sharded_spatial(x, nsp):
@@ -309,7 +305,7 @@ def adaptive_pool(func, x: DomainTensor, nsp: int, output_size, kind: str, indic
     # torch's Python wrapper resolves None entries of output_size. The max pool's
     # checks are the avg pool's; its meta kernel, unlike the avg pool's for output
     # size 1 (a decomposition into mean), does not import torch._dynamo (seconds).
-    meta = getattr(F, f"adaptive_max_pool{nsp}d_with_indices")(_meta(x), output_size)[0]
+    meta = getattr(F, f"adaptive_max_pool{nsp}d_with_indices")(stand_in(x), output_size)[0]
     out_shape = tuple(meta.shape)
     dec, sharded = x._dec, _sharded_spatial(x, nsp)
     ones = [d for d in sharded if out_shape[d] == 1 and x.shape[d] > 1]
