@@ -160,8 +160,8 @@ def allreduce(a: _A, comm: MPI.Comm, op: str = "sum", *, check: bool = True) -> 
             MPI._typedict[arr.dtype.char]
         except KeyError:
             problem = f"allreduce: MPI has no arithmetic type for dtype {arr.dtype}"
-    shape = "?" if isinstance(arr, Exception) else f"{arr.dtype}{tuple(arr.shape)}"
     if check:
+        shape = "?" if isinstance(arr, Exception) else f"{arr.dtype}{tuple(arr.shape)}"
         agree(comm, problem, signature=signature_of(shape), what="allreduce shapes or dtypes",
               described=shape)
     elif problem:

@@ -71,6 +71,7 @@ before any message.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import torch
@@ -181,24 +182,33 @@ def moments(local: torch.Tensor, dims, comm: MPI.Comm, counts):
         m2_i = sq.sum(dim=dims, keepdim=True)
     if comm.Get_size() == 1:
         return mean_i, m2_i, n_me
-    rows = _rows(torch.stack([mean_i, m2_i]), comm, True)
-    live = [i for i, c in enumerate(counts) if c > 0]  # empty blocks contribute nothing
+    tracked = torch.is_grad_enabled() and mean_i.requires_grad
+    rows = _rows(torch.stack([mean_i, m2_i]), comm, tracked)
+    live = tuple(i for i, c in enumerate(counts) if c > 0)  # empty blocks contribute nothing
     if not live:
         return rows[0, 0], rows[0, 1], 0
-    n = sum(counts)
-    # Chan's parallel combination in rank order (identical bits on every rank):
+    if len(live) < len(counts):
+        rows = rows[list(live)]
+    # Chan's parallel combination, the same ops on every rank (identical bits):
     # mean = sum n_i mean_i / n, taken as shifts from the first block's mean so that
     # a large common offset costs no digits; M2 = sum M2_i + n_i (mean_i - mean)^2.
-    ref = rows[live[0], 0]
-    mean = ref
-    for i in live[1:]:
-        mean = mean + (rows[i, 0] - ref) * (counts[i] / n)
-    m2 = None
-    for i in live:
-        d = rows[i, 0] - mean
-        term = rows[i, 1] + counts[i] * (d * d)
-        m2 = term if m2 is None else m2 + term
-    return mean, m2, n
+    means, m2s = rows[:, 0], rows[:, 1]
+    share, count = _chan_weights(tuple(counts[i] for i in live), means.dim(), means.dtype,
+                                 means.device)
+    ref = means[0]
+    mean = ref + ((means - ref) * share).sum(0)
+    dev = means - mean
+    return mean, (m2s + count * (dev * dev)).sum(0), sum(counts)
+
+
+@functools.lru_cache(maxsize=256)
+def _chan_weights(counts: tuple[int, ...], ndim: int, dtype: torch.dtype, device: torch.device):
+    """Local. The live blocks' shares n_i / n and counts n_i as (L, 1, ...) tensors
+    of ``ndim`` dims (constants of a layout: made once per layout and type)."""
+    n = sum(counts)
+    shape = (len(counts),) + (1,) * (ndim - 1)
+    return (torch.tensor([c / n for c in counts], dtype=dtype, device=device).reshape(shape),
+            torch.tensor(counts, dtype=dtype, device=device).reshape(shape))
 
 
 def _invstd(m2: torch.Tensor, n: int, eps: float) -> torch.Tensor:
