@@ -15,7 +15,6 @@ import torch.nn.functional as F
 from mpi4py import MPI
 
 import domainpar as dp
-from domainpar.ops import affine
 from domainpar.testing import assert_matches_single_process, raises_on_every_rank, shard_like
 from tensor_cases import COMM, global_tensor, layout
 
@@ -121,20 +120,6 @@ def test_module_matches_one_process(nsp, make, order, grid_ndim, kind, dtype):
     grid, shard, sizes = layout(shape, order, grid_ndim, kind)
     model = make().to(dtype)
     assert_matches_single_process(model, global_tensor(shape, dtype, INPUT_SEED), grid, shard,
-                                  sizes=sizes)
-
-
-@pytest.mark.parametrize("dot_row", [1, 10**9], ids=["dots", "vecdot"])
-@pytest.mark.parametrize("grid_ndim,kind", [(1, "uneven"), (2, "zero"), (3, "periodic")])
-def test_group_norm_row_dots(monkeypatch, dot_row, grid_ndim, kind):
-    """GroupAffine's backward sums g * x per row by BLAS dots (long rows) or one
-    vecdot (short ones); the test's rows are short, so the threshold is moved to
-    run each way."""
-    monkeypatch.setattr(affine, "_DOT_ROW", dot_row)
-    shape = SHAPES[3]
-    grid, shard, sizes = layout(shape, SPATIAL_FIRST[3], grid_ndim, kind)
-    model = _affine(nn.GroupNorm(2, C)).double()
-    assert_matches_single_process(model, global_tensor(shape, seed=INPUT_SEED), grid, shard,
                                   sizes=sizes)
 
 

@@ -130,21 +130,13 @@ class GroupAffine(torch.autograd.Function):
 # (torch 2.13, 1x2x2x131072 float32: 215 us against 63 us; the in-place addcmul_
 # into a full-size tensor is not affected: 51 us).
 
-# Rows at least this long take one BLAS dot each; shorter ones, one vecdot.
-_DOT_ROW = 32768
-
 
 def _row_dots(g: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    """sum(g * x) over the last dim, keeping it (size 1). Long rows: one BLAS dot
-    per row, no g * x in memory. Short rows: ``torch.linalg.vecdot``, which holds
-    g * x (as large as g) for a moment but costs no call per row. torch's bmm of
-    1 x n by n x 1, the batched form, ran 4-8x slower than either on this CPU
-    (torch 2.13: 4 rows of 131072 float32, 385 us against 50 us by dots and 78 us
-    by vecdot; 256 rows of 4096, 764 us against 678 and 157)."""
+    """sum(g * x) over the last dim, keeping it (size 1), by ``torch.linalg.vecdot``:
+    torch's product and cascaded sum, which holds g * x (as large as g) for a
+    moment. On this CPU (torch 2.13, MKL), float32, 4 rows of 131072: 78 us, a
+    BLAS dot per row 50 us, the batched bmm of 1 x n by n x 1 385 us; the relative
+    error of a row of 2^21 positive terms 7e-8, 8e-6 and 1e-3."""
     rows, n = math.prod(g.shape[:-1]), g.shape[-1]
-    g2, x2 = g.reshape(rows, n), x.reshape(rows, n)
-    if n >= _DOT_ROW:
-        dots = torch.stack([torch.dot(gi, xi) for gi, xi in zip(g2, x2)])
-    else:
-        dots = torch.linalg.vecdot(g2, x2)
-    return dots.reshape(*g.shape[:-1], 1)
+    return torch.linalg.vecdot(g.reshape(rows, n), x.reshape(rows, n)).reshape(
+        *g.shape[:-1], 1)
