@@ -22,12 +22,13 @@ collective over the grid axes that cut the reduced dims:
    layout, no message carries it; an empty block has n_i = 0 and stays in the
    autograd graph;
 2. every rank gets every rank's (mean_i, M2_i): each writes its pair into its
-   row of a zero [P, 2, ...] tensor, summed by a differentiable allreduce
-   (adding zeros is exact, so every rank holds the same bits);
-3. they are combined in rank order with Chan's parallel formula,
+   row of a zero [P, 2, ...] tensor, summed by an allreduce, differentiable
+   where the statistics need a gradient (adding zeros is exact, so every rank
+   holds the same bits);
+3. the live blocks' rows are combined with Chan's parallel formula,
    mean = sum n_i mean_i / n and M2 = sum M2_i + n_i (mean_i - mean)^2, never
-   as E[x^2] - E[x]^2 (which loses every digit when the mean is large), so the
-   result is bitwise identical on every rank;
+   as E[x^2] - E[x]^2 (which loses every digit when the mean is large), by
+   the same ops on every rank, so the result is bitwise identical on all;
 4. mean and 1/sqrt(var + eps) enter the block's normalization through
    ``ag.broadcast``, whose backward sums their gradients over the ranks.
 
@@ -36,8 +37,8 @@ Backward is autograd's through these steps; the elementwise normalization
 its gradients from (x - mean), which stays exact under a large offset. A
 float32 or float64 group_norm instead takes steps 1-3 without a graph and
 fuses step 4 with its backward as torch's kernel does (``ops.affine``):
-about four passes over the block in place of a dozen, one allreduce in
-backward, and torch's own rounding.
+about six passes over the block in place of a dozen, and one allreduce in
+backward.
 
 Weight and bias are replicated and enter through ``enter_domain``: sliced to
 the block where their dim is sharded (channels of batch/instance/group norm,
