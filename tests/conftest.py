@@ -58,3 +58,28 @@ def mode(request):
     """Each io mode in turn: mpio (when h5py has MPI) and the serial fallback."""
     with files.forced_mode(request.param):
         yield request.param
+
+
+@pytest.fixture
+def conv_tuning(monkeypatch):
+    """ops/onednn.py's whole-or-pieces choice for every float32 3-D conv, however
+    small (no size floor, pieces one row thin allowed), timed on a fake clock by
+    which the way named in ``state["favour"]`` ("pieces", the default, or
+    "whole") takes half as long. Yields (state, ran): ``ran`` lists the plan of
+    every run (None: whole)."""
+    from domainpar.ops import onednn
+    monkeypatch.setattr(onednn, "_TUNE_CELLS", 1)
+    monkeypatch.setattr(onednn, "_TUNE_ROWS", 1)
+    monkeypatch.setattr(onednn, "_CHOICES", {})
+    now, ran, state = [0.0], [], {"favour": "pieces"}
+    monkeypatch.setattr(onednn, "_clock", lambda: now[0])
+    in_pieces = onednn._in_pieces
+
+    def spy(*args):
+        plan = args[-1]
+        ran.append(plan)
+        now[0] += 1.0 if ("whole" if plan is None else "pieces") == state["favour"] else 2.0
+        return in_pieces(*args)
+
+    monkeypatch.setattr(onednn, "_in_pieces", spy)
+    return state, ran

@@ -415,6 +415,26 @@ def test_conv3d_backward_in_pieces(options, grid_ndim, backward_in_pieces):
     assert COMM.allreduce(len(pieces)) > 0
 
 
+# -- forward in pieces of output rows (ops/onednn.py's tuned_conv) ------------------------------
+@pytest.mark.parametrize("options", [dict(kernel_size=3, padding=1),
+                                     dict(kernel_size=3, stride=2, padding=(0, 1, 1)),
+                                     dict(kernel_size=(2, 3, 3), dilation=2, padding="same"),
+                                     dict(kernel_size=3, padding=1, padding_mode="circular")],
+                         ids=lambda o: "-".join(f"{k}{v}" for k, v in o.items()))
+@pytest.mark.parametrize("grid_ndim,kind", [(1, "uneven"), (2, "even"), (3, "zero")])
+def test_conv3d_forward_in_pieces(options, grid_ndim, kind, conv_tuning):
+    """Float32 3-D convs whose forward the tuning runs in pieces of output rows on
+    every block (the fake clock favours them), forward and backward against one
+    process; the pieces are really taken somewhere."""
+    shape = (1, 4, 17, 9, 8)
+    grid, shard, sizes = layout(shape, (2, 3, 4), grid_ndim, kind, periodic=True, seed=4)
+    torch.manual_seed(4)
+    assert_matches_single_process(nn.Conv3d(4, 4, **options), global_tensor(shape, torch.float32),
+                                  grid, shard, sizes=sizes)
+    _, ran = conv_tuning
+    assert COMM.allreduce(sum(p is not None for p in ran)) > 0
+
+
 @pytest.mark.parametrize("mode", ("circular", "reflect", "replicate", "zeros"))
 @pytest.mark.parametrize("grid_ndim", (1, 2))
 def test_padded_conv_keeps_its_input_layout(mode, grid_ndim):

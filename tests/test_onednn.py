@@ -162,3 +162,70 @@ def test_left_to_torch(shape, w_shape, dtype):
     func = F.conv3d if nsp == 3 else F.conv2d
     args = (o["stride"], o["padding"], o["dilation"], 1)
     assert torch.equal(onednn.local_conv(func, x, w, b, *args), func(x, w, b, *args))
+
+
+# -- whole or in pieces of output rows ------------------------------------------------------------
+TUNED = (1, 4, 18, 10, 12)
+
+
+@pytest.mark.parametrize("favour", ["pieces", "whole"])
+def test_tuned_conv_keeps_the_faster_way(conv_tuning, favour):
+    """The first call runs each way once, then times each twice, alternating, and
+    keeps the faster; later calls run that way only, once."""
+    state, ran = conv_tuning
+    state["favour"] = favour
+    x, w, b = (t.float() for t in _operands(TUNED, (3, 4, 3, 3, 3), 7))
+    opts = (CONV["stride"], CONV["padding"], CONV["dilation"], CONV["groups"])
+    truth = F.conv3d(x.double(), w.double(), b.double(), *opts)
+    _close_to_truth(onednn.local_conv(F.conv3d, x, w, b, *opts), truth)
+    assert len(ran) == 6 and ran[0::2] == [None] * 3
+    plan = ran[1]
+    assert plan is not None and plan[0] == 2 and len(plan[1]) == 8
+    assert plan[1][0][0] == 0 and plan[1][-1][1] == 16 and ran[3] == ran[5] == plan
+    chosen = plan if favour == "pieces" else None
+    assert list(onednn._CHOICES.values()) == [chosen]
+    del ran[:]
+    _close_to_truth(onednn.local_conv(F.conv3d, x, w, b, *opts), truth)
+    assert ran == [chosen]
+
+
+@pytest.mark.parametrize("w_shape,stride,padding,dilation,groups", [
+    ((3, 4, 3, 3, 3), (1, 1, 1), (0, 1, 1), (1, 1, 1), 1),
+    ((4, 2, 3, 2, 3), (2, 1, 2), (0, 0, 1), (1, 1, 1), 2),
+    ((3, 4, 3, 3, 1), (1, 2, 1), (1, 0, 0), (2, 1, 1), 1),   # pieces along H
+    ((2, 4, 2, 3, 3), (3, 1, 1), (0, 1, 1), (2, 2, 1), 1),
+])
+def test_conv_in_pieces_matches_torch(conv_tuning, w_shape, stride, padding, dilation, groups):
+    """Pieces along the outermost spatial dim torch does not pad, under stride,
+    dilation, groups and kernels of other sizes: torch's numbers (float32
+    rounding of the float64 truth), every output row computed once."""
+    state, ran = conv_tuning
+    x, w, b = (t.float() for t in _operands(TUNED, w_shape, 8))
+    opts = (stride, padding, dilation, groups)
+    truth = F.conv3d(x.double(), w.double(), b.double(), *opts)
+    _close_to_truth(onednn.local_conv(F.conv3d, x, w, b, *opts), truth)
+    dim, rows = ran[1]
+    assert dim == 2 + next(i for i, p in enumerate(padding) if p == 0)
+    assert rows[0][0] == 0 and rows[-1][1] == truth.shape[dim]
+    assert all(a[1] == c[0] for a, c in zip(rows, rows[1:]))
+    _close_to_truth(onednn._in_pieces(F.conv3d, x, w, b, *opts, ran[1]), truth)
+
+
+def test_conv_padded_on_every_dim_runs_whole(conv_tuning):
+    """No dim torch leaves unpadded: no pieces, nothing timed."""
+    state, ran = conv_tuning
+    x, w, b = (t.float() for t in _operands(TUNED, (3, 4, 3, 3, 3), 9))
+    opts = ((1, 1, 1), (1, 1, 1), (1, 1, 1), 1)
+    _close_to_truth(onednn.local_conv(F.conv3d, x, w, b, *opts),
+                    F.conv3d(x.double(), w.double(), b.double(), *opts))
+    assert ran == [] and list(onednn._CHOICES.values()) == [None]
+
+
+def test_small_convs_are_not_timed(monkeypatch):
+    """Below ``_TUNE_CELLS`` input cells a conv runs whole with no timing."""
+    monkeypatch.setattr(onednn, "_CHOICES", {})
+    x, w, b = (t.float() for t in _operands(TUNED, (3, 4, 3, 3, 3), 10))
+    assert x.numel() < onednn._TUNE_CELLS
+    onednn.local_conv(F.conv3d, x, w, b, *(CONV[k] for k in ("stride", "padding", "dilation",
+                                                           "groups")))
+    assert onednn._CHOICES == {}

@@ -44,7 +44,7 @@ from ..tensor.params import enter_domain
 from . import window
 from .common import autocast_dtype, autocast_operands, bind
 from .common import meta as _meta
-from .onednn import local_conv, local_conv_backward
+from .onednn import local_conv, local_conv_backward, row_pieces
 
 _CONV = {F.conv1d: 1, F.conv2d: 2, F.conv3d: 3}
 _CONV_T = {F.conv_transpose1d: 1, F.conv_transpose2d: 2, F.conv_transpose3d: 3}
@@ -331,18 +331,8 @@ def _padded_backward(grad, block, weight, slabs, spec: ConvSpec, padded_shape, m
 def _row_pieces(spec: ConvSpec, padded_shape):
     """(dim, [(first, stop) output rows, ...]) for a piecewise backward, along the
     outermost spatial dim torch does not pad itself; None when one piece will do."""
-    cells = int(np.prod(padded_shape))
-    count = min(_PIECES, cells // _PIECE_CELLS)
-    for dim in range(2, len(padded_shape)):
-        if spec.padding[dim - 2] == 0:
-            break
-    else:
-        return None
-    count = min(count, spec.out_shape[dim] // _PIECE_ROWS)
-    if count < 2:
-        return None
-    bounds = np.linspace(0, spec.out_shape[dim], count + 1).round().astype(int)
-    return dim, [(int(a), int(b)) for a, b in zip(bounds[:-1], bounds[1:]) if b > a]
+    count = min(_PIECES, int(np.prod(padded_shape)) // _PIECE_CELLS)
+    return row_pieces(spec.padding, spec.out_shape, count, _PIECE_ROWS)
 
 
 def _padded_rows(block, slabs, widths: dict, padded_shape, dim: int, start: int, stop: int):

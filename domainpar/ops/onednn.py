@@ -14,7 +14,9 @@ layout. ``local_conv_backward`` runs torch's conv backward that way;
 ``local_conv`` runs a conv's forward by torch's oneDNN kernel directly
 (``torch.mkldnn_convolution``, no reordering needed) and a transposed conv's
 reordered. All give the same numbers as torch's default path (to float32
-rounding).
+rounding). ``tuned_conv`` runs a large conv whole or in pieces of output rows,
+whichever this rank timed faster the first time it met the conv's signature:
+oneDNN is much slower on a few block shapes than on their neighbours.
 
 Torch version: checked on torch 2.13.0+cpu (tests/test_onednn.py: the private
 query and the direct kernel exist, the query picks im2col for a thin block and
@@ -26,7 +28,9 @@ the rule or drops either, tests/test_onednn.py says so.
 from __future__ import annotations
 
 import functools
+import time
 
+import numpy as np
 import torch
 
 LAYOUT = "onednn-layout"  # kernel_order's answer: convert the block to oneDNN's layout
@@ -49,8 +53,18 @@ def local_conv(func, cells, w, b, stride, padding, dilation, groups, output_padd
     entry): the size rule reads dims 2 and 3 only, so torch gets the block with
     its spatial dims reordered (a view; weight and arguments reordered alike),
     largest first, and the result is reordered back; where no order passes the
-    rule, a conv converts the block to oneDNN's own layout.
+    rule, a conv converts the block to oneDNN's own layout. A large float32 3-D
+    conv runs whole or in pieces of output rows, whichever ran faster the first
+    time this rank met its signature (``tuned_conv``).
     """
+    if output_padding is None and cells.dim() == 5 and cells.dtype == torch.float32 \
+            and cells.device.type == "cpu" and cells.numel() >= _TUNE_CELLS:
+        return tuned_conv(func, cells, w, b, stride, padding, dilation, groups)
+    return _conv(func, cells, w, b, stride, padding, dilation, groups, output_padding)
+
+
+def _conv(func, cells, w, b, stride, padding, dilation, groups, output_padding=None):
+    """``local_conv`` without the pieces."""
     transposed = output_padding is not None
     order = kernel_order(tuple(cells.shape), cells.dtype, cells.device.type, tuple(w.shape),
                          tuple(stride), tuple(padding), tuple(dilation), groups,
@@ -139,3 +153,89 @@ def kernel_order(shape, dtype, device, w_shape, stride, padding, dilation, group
     # through oneDNN's own tensor layout (a copy of the block each way), 2.4x faster
     # with half the peak memory of im2col on a 1x4x34x64x64 block.
     return None if transposed else LAYOUT
+
+
+# -- whole or in pieces --------------------------------------------------------------------------
+# oneDNN's single-thread 3-D conv forward is much slower on some block shapes than
+# on their neighbours, with no rule to tell them by: on this CPU (AMD EPYC, torch
+# 2.13, 8 -> 4 channels, 128x128 planes) 757 us an output row at 64 rows and 60,
+# 550-600 at 58-77 rows but for those two, 716-722 at 122 and 130. A 2-rank block of
+# a 128^3 field has 64 rows. The same conv in 8 pieces of 8 rows took 39 ms against
+# 51 whole; elsewhere pieces cost 0-20% more (a copy of the output, more calls).
+# Under glibc's default malloc a whole conv of a large block also faults its output
+# and oneDNN's scratch in afresh on each call (that conv: 82 ms whole, 38 in pieces).
+# So a large conv is timed both ways the first time a rank meets its signature,
+# and the faster way is kept for the process: like cuDNN's benchmark mode, a choice
+# of speed only (the pieces compute every output from the same cells and weights;
+# the numbers agree to float32 rounding, bitwise in the cases measured).
+_TUNE_CELLS = 1 << 21    # convs of at least this many input cells are timed
+_TUNE_PIECES = 8         # the alternative: this many pieces of output rows,
+_TUNE_ROWS = 8           # none thinner than this many rows
+_TUNE_ROUNDS = 2         # each way timed this many times, after one run; the faster minimum wins
+_CHOICES: dict[tuple, tuple | None] = {}   # signature -> row_pieces' plan (None: whole)
+_clock = time.perf_counter
+
+
+def row_pieces(padding, out_shape, count: int, min_rows: int):
+    """Local. (dim, [(first, stop) output rows, ...]): at most ``count`` pieces of
+    output rows, none thinner than ``min_rows``, split evenly along the outermost
+    spatial dim that torch does not pad (padding 0: a piece there needs no padding
+    of its own); None where there is no such dim or one piece will do."""
+    for dim in range(2, len(out_shape)):
+        if padding[dim - 2] == 0:
+            break
+    else:
+        return None
+    count = min(count, out_shape[dim] // min_rows)
+    if count < 2:
+        return None
+    bounds = np.linspace(0, out_shape[dim], count + 1).round().astype(int)
+    return dim, [(int(a), int(c)) for a, c in zip(bounds[:-1], bounds[1:]) if c > a]
+
+
+def tuned_conv(func, cells, w, b, stride, padding, dilation, groups):
+    """Local. ``local_conv`` of a conv (not transposed), whole or in pieces of output
+    rows: on this rank's first call with this signature, each way runs once and is
+    then timed ``_TUNE_ROUNDS`` times, alternating, and the one with the smaller
+    minimum is kept (the last result is returned: the extra calls are the cost)."""
+    key = (tuple(cells.shape), tuple(cells.stride()), tuple(w.shape), b is None,
+           tuple(stride), tuple(padding), tuple(dilation), groups)
+    args = (func, cells, w, b, stride, padding, dilation, groups)
+    if key in _CHOICES:
+        return _in_pieces(*args, _CHOICES[key])
+    out_shape = [cells.shape[0], w.shape[0]] + [
+        (n + 2 * p - d * (k - 1) - 1) // s + 1
+        for n, k, s, p, d in zip(cells.shape[2:], w.shape[2:], stride, padding, dilation)]
+    ways = [None, row_pieces(padding, out_shape, _TUNE_PIECES, _TUNE_ROWS)]
+    if ways[1] is None:
+        _CHOICES[key] = None
+        return _conv(*args)
+    times: list[list[float]] = [[], []]
+    for timed in [False] + [True] * _TUNE_ROUNDS:  # first, untimed: oneDNN builds its kernels
+        for way, took in zip(ways, times):
+            start = _clock()
+            out = _in_pieces(*args, way)
+            if timed:
+                took.append(_clock() - start)
+    _CHOICES[key] = ways[min((0, 1), key=lambda i: min(times[i]))]
+    return out
+
+
+def _in_pieces(func, cells, w, b, stride, padding, dilation, groups, plan):
+    """Local. The conv of ``cells`` in the pieces of output rows of ``plan`` (dim,
+    [(first, stop), ...]), or whole for None: each piece reads the input rows its
+    outputs read, and is copied into one output."""
+    if plan is None:
+        return _conv(func, cells, w, b, stride, padding, dilation, groups)
+    dim, rows = plan
+    s, reach = stride[dim - 2], dilation[dim - 2] * (w.shape[dim] - 1)
+    out = None
+    for o0, o1 in rows:
+        piece = _conv(func, cells.narrow(dim, o0 * s, (o1 - o0 - 1) * s + reach + 1), w, b,
+                      stride, padding, dilation, groups)
+        if out is None:
+            shape = list(piece.shape)
+            shape[dim] = rows[-1][1]
+            out = piece.new_empty(shape)
+        out.narrow(dim, o0, o1 - o0).copy_(piece)
+    return out
