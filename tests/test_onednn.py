@@ -229,3 +229,47 @@ def test_small_convs_are_not_timed(monkeypatch):
     onednn.local_conv(F.conv3d, x, w, b, *(CONV[k] for k in ("stride", "padding", "dilation",
                                                            "groups")))
     assert onednn._CHOICES == {}
+
+
+def test_tuning_switched_off_runs_whole(conv_tuning):
+    """``set_conv_tuning(False)`` (DOMAINPAR_CONV_TUNING=0, or ``--compare``): a large
+    conv runs whole, untimed; turned back on, it is timed."""
+    state, ran = conv_tuning
+    x, w, b = (t.float() for t in _operands(TUNED, (3, 4, 3, 3, 3), 11))
+    opts = (CONV["stride"], CONV["padding"], CONV["dilation"], CONV["groups"])
+    onednn.set_conv_tuning(False)
+    try:
+        onednn.local_conv(F.conv3d, x, w, b, *opts)
+        assert ran == [] and onednn._CHOICES == {}
+    finally:
+        onednn.set_conv_tuning(True)
+    onednn.local_conv(F.conv3d, x, w, b, *opts)
+    assert len(ran) == 6
+
+
+@pytest.mark.parametrize("value,ok", [("0", True), ("1", True), ("", True), ("yes", False)])
+def test_tuning_setting_read_at_import(value, ok):
+    """DOMAINPAR_CONV_TUNING: 0 off, 1 or unset on, anything else an error that
+    names the variable and its values."""
+    import os
+    import subprocess
+    import sys
+    env = dict(os.environ, DOMAINPAR_CONV_TUNING=value)
+    run = subprocess.run([sys.executable, "-c", "import domainpar.ops.onednn as o; "
+                          "print(o.TUNING)"], env=env, capture_output=True, text=True)
+    if ok:
+        assert run.returncode == 0 and run.stdout.strip() == str(value != "0")
+    else:
+        assert run.returncode != 0
+        assert "DOMAINPAR_CONV_TUNING='yes': use 1, 0 or leave it unset" in run.stderr
+
+
+def test_compare_switches_tuning_in_process(monkeypatch):
+    """``bench ... --compare DOMAINPAR_CONV_TUNING=0`` turns it off in B's block
+    and back on after it."""
+    from domainpar.bench import settings
+    monkeypatch.delenv("DOMAINPAR_CONV_TUNING", raising=False)
+    assert onednn.TUNING
+    with settings.applied({"DOMAINPAR_CONV_TUNING": "0"}):
+        assert not onednn.TUNING
+    assert onednn.TUNING

@@ -48,6 +48,12 @@ def _plan_cache(value: str | None) -> None:
         layout.set_plan_cache(value != "0")
 
 
+def _conv_tuning(value: str | None) -> None:
+    onednn = sys.modules.get("domainpar.ops.onednn")
+    if onednn is not None:  # else it reads the environment when imported
+        onednn.set_conv_tuning(value != "0")
+
+
 def _threads(value: str | None) -> None:
     torch = sys.modules.get("torch")
     if torch is not None and value:  # A's count is restored by applied() itself
@@ -84,6 +90,9 @@ KEYS: dict[str, tuple[str, tuple[str, ...] | Callable[[str], bool],
     "DOMAINPAR_IO": ("HDF5 driver", ("auto", "mpio", "serial"), lambda value: None),
     "DOMAINPAR_PLAN_CACHE": ("per-op plan cache and dispatch fast paths on (1) or off (0)",
                              ("0", "1"), _plan_cache),
+    "DOMAINPAR_CONV_TUNING": ("a large conv timed whole and in row pieces on first use, "
+                              "the faster kept (1), or always whole (0)", ("0", "1"),
+                              _conv_tuning),
     # read by DomainParallel when it is built (in the job's environment)
     "DOMAINPAR_FUSE_HALOS": ("halo fusion of conv chains in DomainParallel on (1) or off (0)",
                              ("0", "1"), lambda value: None),

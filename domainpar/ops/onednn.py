@@ -16,7 +16,8 @@ layout. ``local_conv_backward`` runs torch's conv backward that way;
 reordered. All give the same numbers as torch's default path (to float32
 rounding). ``tuned_conv`` runs a large conv whole or in pieces of output rows,
 whichever this rank timed faster the first time it met the conv's signature:
-oneDNN is much slower on a few block shapes than on their neighbours.
+oneDNN is much slower on a few block shapes than on their neighbours
+(``DOMAINPAR_CONV_TUNING=0``: always whole).
 
 Torch version: checked on torch 2.13.0+cpu (tests/test_onednn.py: the private
 query and the direct kernel exist, the query picks im2col for a thin block and
@@ -28,6 +29,7 @@ the rule or drops either, tests/test_onednn.py says so.
 from __future__ import annotations
 
 import functools
+import os
 import time
 
 import numpy as np
@@ -58,7 +60,7 @@ def local_conv(func, cells, w, b, stride, padding, dilation, groups, output_padd
     time this rank met its signature (``tuned_conv``).
     """
     if output_padding is None and cells.dim() == 5 and cells.dtype == torch.float32 \
-            and cells.device.type == "cpu" and cells.numel() >= _TUNE_CELLS:
+            and cells.device.type == "cpu" and TUNING and cells.numel() >= _TUNE_CELLS:
         return tuned_conv(func, cells, w, b, stride, padding, dilation, groups)
     return _conv(func, cells, w, b, stride, padding, dilation, groups, output_padding)
 
@@ -168,12 +170,27 @@ def kernel_order(shape, dtype, device, w_shape, stride, padding, dilation, group
 # and the faster way is kept for the process: like cuDNN's benchmark mode, a choice
 # of speed only (the pieces compute every output from the same cells and weights;
 # the numbers agree to float32 rounding, bitwise in the cases measured).
+# DOMAINPAR_CONV_TUNING=0 turns it off (every conv whole): the timing costs the
+# first call of each signature about 3 more convs (1.1-1.3 s on the first no_grad
+# forward of a UNet3d at 128^3 on 2 ranks), which a job of one forward never repays.
+_SETTING = os.environ.get("DOMAINPAR_CONV_TUNING", "")
+if _SETTING not in ("", "0", "1"):
+    raise ValueError(f"DOMAINPAR_CONV_TUNING={_SETTING!r}: use 1, 0 or leave it unset")
+TUNING = _SETTING != "0"
 _TUNE_CELLS = 1 << 21    # convs of at least this many input cells are timed
 _TUNE_PIECES = 8         # the alternative: this many pieces of output rows,
 _TUNE_ROWS = 8           # none thinner than this many rows
 _TUNE_ROUNDS = 2         # each way timed this many times, after one run; the faster minimum wins
 _CHOICES: dict[tuple, tuple | None] = {}   # signature -> row_pieces' plan (None: whole)
 _clock = time.perf_counter
+
+
+def set_conv_tuning(on: bool) -> None:
+    """Local. Turn the whole-or-pieces timing on or off (the DOMAINPAR_CONV_TUNING
+    setting, for ``bench ... --compare``). Choices made before are kept and serve
+    again when it is turned back on."""
+    global TUNING
+    TUNING = bool(on)
 
 
 def row_pieces(padding, out_shape, count: int, min_rows: int):
