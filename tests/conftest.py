@@ -10,6 +10,7 @@ effect if set before torch is imported.
 import os
 import shutil
 import tempfile
+import weakref
 
 import pytest
 
@@ -66,20 +67,25 @@ def conv_tuning(monkeypatch):
     small (no size floor, pieces one row thin allowed), timed on a fake clock by
     which the way named in ``state["favour"]`` ("pieces", the default, or
     "whole") takes half as long. Yields (state, ran): ``ran`` lists the plan of
-    every run (None: whole)."""
+    every run (None: whole); ``state["alive"]``, at each run, how many outputs
+    of earlier runs were still alive."""
     from domainpar.ops import onednn
     monkeypatch.setattr(onednn, "_TUNE_CELLS", 1)
     monkeypatch.setattr(onednn, "_TUNE_ROWS", 1)
     monkeypatch.setattr(onednn, "_CHOICES", {})
-    now, ran, state = [0.0], [], {"favour": "pieces"}
+    now, ran, state = [0.0], [], {"favour": "pieces", "alive": []}
     monkeypatch.setattr(onednn, "_clock", lambda: now[0])
     in_pieces = onednn._in_pieces
+    outputs = []
 
     def spy(*args):
         plan = args[-1]
         ran.append(plan)
+        state["alive"].append(sum(o() is not None for o in outputs))  # earlier outputs alive
         now[0] += 1.0 if ("whole" if plan is None else "pieces") == state["favour"] else 2.0
-        return in_pieces(*args)
+        out = in_pieces(*args)
+        outputs.append(weakref.ref(out))
+        return out
 
     monkeypatch.setattr(onednn, "_in_pieces", spy)
     return state, ran

@@ -230,6 +230,7 @@ def tuned_conv(func, cells, w, b, stride, padding, dilation, groups):
     times: list[list[float]] = [[], []]
     for timed in [False] + [True] * _TUNE_ROUNDS:  # first, untimed: oneDNN builds its kernels
         for way, took in zip(ways, times):
+            out = None  # the previous run's output freed first: one alive at a time
             start = _clock()
             out = _in_pieces(*args, way)
             if timed:
