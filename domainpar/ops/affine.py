@@ -6,16 +6,16 @@ ranks that share them.
 the block through ``norm.moments`` and the broadcast that enters them, so its
 backward reads and writes the block about a dozen times with the moments'.
 ``GroupAffine`` (float32 and float64 group_norm) does what torch's CPU kernel
-does, in about six passes:
+does, in a few passes more than it:
 
 - forward: y = x * a + c, a = invstd * weight and c = bias - mean * a per
   (sample, channel): two passes (torch's kernel has the same form, in one,
   and so errors of the same size under a large offset);
-- backward: per (sample, channel) sums of g and of g * x over the block (two
-  reading passes), summed over each group and then over the ranks that share
-  the group (``comm``: one allreduce of two numbers per (sample, group), in
-  place of the moments' and the statistics' two), and the input gradient
-  dx = coef * g + k1 * x + k0 in three.
+- backward: per (sample, channel) sums of g and of g * x over the block (the
+  second a product held for a moment, then summed), summed over each group and
+  then over the ranks that share the group (``comm``: one allreduce of two
+  numbers per (sample, group), in place of the moments' and the statistics'
+  two), and the input gradient dx = coef * g + k1 * x + k0 in three passes.
 
 With n the group's cells over all ranks, r = invstd, w the channel's weight,
 A = sum(w g) and B = sum(w g (x - mean)) over the whole group:

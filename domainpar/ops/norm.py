@@ -37,8 +37,8 @@ Backward is autograd's through these steps; the elementwise normalization
 its gradients from (x - mean), which stays exact under a large offset. A
 float32 or float64 group_norm instead takes steps 1-3 without a graph and
 fuses step 4 with its backward as torch's kernel does (``ops.affine``):
-about six passes over the block in place of a dozen, and one allreduce in
-backward.
+no graph through the moments, fewer passes over the block than autograd's
+way, and one allreduce in backward.
 
 Weight and bias are replicated and enter through ``enter_domain``: sliced to
 the block where their dim is sharded (channels of batch/instance/group norm,
