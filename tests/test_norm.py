@@ -123,6 +123,39 @@ def test_module_matches_one_process(nsp, make, order, grid_ndim, kind, dtype):
                                   sizes=sizes)
 
 
+def test_fused_group_norm_makes_one_block_sized_tensor_each_way():
+    """The fused group norm's forward writes the moments' squared deviations into
+    the buffer that becomes its output, and its backward the products g * x into
+    the one that becomes the input gradient: one block-sized tensor each way (a
+    fresh block under glibc's default malloc is faulted in page by page)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    if COMM.Get_size() == 1:
+        pytest.skip("the fused path needs the statistics cut over 2 or more ranks")
+    shape = (1, C, 4 * COMM.Get_size(), 6, 5)
+    grid, shard, sizes = layout(shape, SPATIAL_FIRST[3], 1, "even")
+    x = shard_like(global_tensor(shape, seed=INPUT_SEED), grid, shard, sizes).requires_grad_()
+    block = x.to_local().numel()
+    made = {"forward": set(), "backward": set()}
+    phase = ["forward"]
+
+    class Storages(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if isinstance(out, torch.Tensor) and out.numel() == block:
+                made[phase[0]].add(out.untyped_storage().data_ptr())
+            return out
+
+    norm = _affine(nn.GroupNorm(2, C)).double()
+    grad = torch.ones_like(x.to_local())
+    with Storages():
+        y = norm(x)
+        phase[0] = "backward"
+        y.to_local().backward(grad)
+    given = {t.untyped_storage().data_ptr() for t in (x.to_local(), grad)}  # and views
+    assert len(made["forward"] - given) == 1   # the output
+    assert len(made["backward"] - given) == 1  # the input gradient
+
+
 @pytest.mark.parametrize("grid_ndim,kind", [(1, "uneven"), (2, "zero"), (3, "even")])
 def test_under_domain_parallel(grid_ndim, kind):
     """Weight and bias gradients deferred and bucketed by DomainParallel."""
