@@ -274,3 +274,13 @@ def test_compare_switches_tuning_in_process(monkeypatch):
     with settings.applied({"DOMAINPAR_CONV_TUNING": "0"}):
         assert not onednn.TUNING
     assert onednn.TUNING
+
+
+def test_choices_are_bounded(conv_tuning, monkeypatch):
+    """A program whose shapes never repeat does not grow the choices without end."""
+    monkeypatch.setattr(onednn, "_MAX_CHOICES", 2)
+    opts = (CONV["stride"], CONV["padding"], CONV["dilation"], CONV["groups"])
+    for rows in (18, 19, 20):
+        x, w, b = (t.float() for t in _operands((1, 4, rows, 10, 12), (3, 4, 3, 3, 3), rows))
+        onednn.local_conv(F.conv3d, x, w, b, *opts)
+    assert len(onednn._CHOICES) == 1

@@ -172,7 +172,8 @@ def kernel_order(shape, dtype, device, w_shape, stride, padding, dilation, group
 # the numbers agree to float32 rounding, bitwise in the cases measured).
 # DOMAINPAR_CONV_TUNING=0 turns it off (every conv whole): the timing costs the
 # first call of each signature about 3 more convs (1.1-1.3 s on the first no_grad
-# forward of a UNet3d at 128^3 on 2 ranks), which a job of one forward never repays.
+# forward of a UNet3d at 128^3 on 2 ranks), which a job of one forward, or one whose
+# block shapes keep changing, never repays.
 _SETTING = os.environ.get("DOMAINPAR_CONV_TUNING", "")
 if _SETTING not in ("", "0", "1"):
     raise ValueError(f"DOMAINPAR_CONV_TUNING={_SETTING!r}: use 1, 0 or leave it unset")
@@ -182,6 +183,7 @@ _TUNE_PIECES = 8         # the alternative: this many pieces of output rows,
 _TUNE_ROWS = 8           # none thinner than this many rows
 _TUNE_ROUNDS = 2         # each way timed this many times, after one run; the faster minimum wins
 _CHOICES: dict[tuple, tuple | None] = {}   # signature -> row_pieces' plan (None: whole)
+_MAX_CHOICES = 1024  # a bound for programs whose shapes never repeat: emptied when reached
 _clock = time.perf_counter
 
 
@@ -235,6 +237,8 @@ def tuned_conv(func, cells, w, b, stride, padding, dilation, groups):
             out = _in_pieces(*args, way)
             if timed:
                 took.append(_clock() - start)
+    if len(_CHOICES) >= _MAX_CHOICES:
+        _CHOICES.clear()
     _CHOICES[key] = ways[min((0, 1), key=lambda i: min(times[i]))]
     return out
 
