@@ -6,6 +6,8 @@ import sys
 import textwrap
 from pathlib import Path
 
+import pytest
+
 import domainpar as dp
 from domainpar import launch
 from domainpar.comm import runtime
@@ -93,3 +95,75 @@ def test_comm_layer_never_imports_torch():
     proc = subprocess.run([sys.executable, "-c", code], env=mpiexec_env(), capture_output=True,
                           text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
+
+
+# -- glibc's malloc thresholds (comm.runtime.malloc_thresholds) ----------------------------------
+_MALLOC_PROBE = textwrap.dedent("""
+    import ctypes, json
+    import numpy as np
+    import domainpar.comm
+    from domainpar.comm import runtime
+
+    class Info(ctypes.Structure):
+        _fields_ = [(name, ctypes.c_size_t) for name in (
+            "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks",
+            "uordblks", "fordblks", "keepcost")]
+
+    mallinfo2 = ctypes.CDLL(None).mallinfo2
+    mallinfo2.restype = Info
+    before = mallinfo2().hblkhd
+    block = np.ones(64 << 20, dtype=np.uint8)  # past glibc's largest own threshold, 32 MiB
+    mapped = mallinfo2().hblkhd - before
+    print(json.dumps({"mapped": mapped, "report": runtime.malloc_thresholds(),
+                      "info": runtime.capabilities()["malloc"]}))
+""")
+
+
+def _malloc_probe(**env):
+    base = {k: v for k, v in mpiexec_env().items()
+            if not k.startswith("MALLOC_") and k not in ("DOMAINPAR_MALLOC", "GLIBC_TUNABLES")}
+    return subprocess.run([sys.executable, "-c", _MALLOC_PROBE], env=dict(base, **env),
+                          capture_output=True, text=True, timeout=120)
+
+
+def _glibc_with_mallinfo2() -> bool:
+    import ctypes
+    try:
+        ctypes.CDLL(None).mallinfo2  # noqa: B018
+    except (OSError, AttributeError):
+        return False
+    return True
+
+
+needs_glibc = pytest.mark.skipif(not _glibc_with_mallinfo2(), reason="needs glibc 2.33+ "
+                                 "(mallinfo2), the allocator whose thresholds domainpar fixes")
+
+
+@needs_glibc
+def test_malloc_thresholds_are_fixed_on_import():
+    """A 64 MiB block, past any threshold of glibc's own, comes from the heap."""
+    proc = _malloc_probe()
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout)
+    assert out["report"].startswith("fixed by domainpar"), out
+    assert out["info"] == out["report"]
+    assert out["mapped"] < 64 << 20, out
+
+
+@needs_glibc
+def test_malloc_thresholds_left_alone_when_asked_or_set():
+    """DOMAINPAR_MALLOC=0, or thresholds of the user's own: glibc maps the block fresh."""
+    for env, says in (({"DOMAINPAR_MALLOC": "0"}, "glibc's own thresholds"),
+                      ({"MALLOC_MMAP_THRESHOLD_": "131072"}, "thresholds as the environment "
+                                                              "sets them (MALLOC_MMAP_THRESHOLD_)")):
+        proc = _malloc_probe(**env)
+        assert proc.returncode == 0, proc.stderr
+        out = json.loads(proc.stdout)
+        assert out["report"].startswith(says), (env, out)
+        assert out["mapped"] >= 64 << 20, (env, out)
+
+
+def test_malloc_setting_typo_raises_on_import():
+    proc = _malloc_probe(DOMAINPAR_MALLOC="yes")
+    assert proc.returncode != 0
+    assert "DOMAINPAR_MALLOC='yes': use 1" in proc.stderr and "or 0" in proc.stderr

@@ -64,16 +64,17 @@ def _positive_int(value: str) -> bool:
     return value.isdigit() and int(value) > 0
 
 
-# glibc reads its malloc tunables once, when the process starts: a job launched
+# glibc reads its malloc tunables once, when the process starts, and domainpar sets
+# its thresholds once, on import (comm.runtime.malloc_thresholds): a job launched
 # with them runs under them, nothing can switch them in a running process.
-_MALLOC_KEYS = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_")
+_MALLOC_KEYS = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "DOMAINPAR_MALLOC")
 _STARTED_WITH = {k: os.environ.get(k) for k in _MALLOC_KEYS}
 
 
 def _at_start(key: str) -> Callable[[str | None], None]:
     def check(value: str | None) -> None:
         if value != _STARTED_WITH[key]:
-            raise ValueError(f"--compare {key}: glibc reads it when a process starts; only "
+            raise ValueError(f"--compare {key}: read once, when a process starts; only "
                              f"benchmarks that launch their own jobs (scaling, step) "
                              f"can compare it")
     return check
@@ -106,6 +107,9 @@ KEYS: dict[str, tuple[str, tuple[str, ...] | Callable[[str], bool],
     "MALLOC_TRIM_THRESHOLD_": ("glibc malloc: free bytes at the heap's top kept before "
                                "returning them", _positive_int,
                                _at_start("MALLOC_TRIM_THRESHOLD_")),
+    "DOMAINPAR_MALLOC": ("glibc malloc's mmap and trim thresholds fixed at 2 GiB by domainpar "
+                         "on import (1, the default) or glibc's own (0)", ("0", "1"),
+                         _at_start("DOMAINPAR_MALLOC")),
 }
 
 

@@ -1,5 +1,5 @@
 """MPI runtime: init, abort on uncaught exceptions, node-local device binding,
-and the capability report behind ``domainpar info``."""
+glibc's malloc thresholds, and the capability report behind ``domainpar info``."""
 from __future__ import annotations
 
 import ctypes
@@ -79,6 +79,77 @@ def install_abort_hook_under_mpi() -> None:
 
 
 install_abort_hook_under_mpi()  # on import: domainpar used under mpiexec without dp.init()
+
+
+# -- glibc's malloc ---------------------------------------------------------------------------
+# glibc serves a block past its mmap threshold with fresh pages, faulted in (and zeroed)
+# at first touch and returned at free; the threshold starts at 128 KiB and rises, as
+# such blocks are freed, to at most 32 MiB, and free heap memory past twice it is
+# trimmed back to the kernel. A training step allocates and frees the same sizes every
+# step, so under those defaults it faults its activations in again every step: 2,700-
+# 5,000 page faults (11-20 MiB) per rank in a UNet3d step at 64^3 on 2 ranks, 400,000
+# (1.6 GiB) in one at 128^3 on 1 rank (docs/benchmarks.md, "The allocator"). Fixed
+# thresholds keep blocks under 2 GiB in the heap, never trimmed: each step reuses the
+# last one's pages (7-220 faults a step at 64^3), and resident memory stays at its
+# peak instead of following the live tensors.
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # mallopt's parameters (malloc.h)
+_FIXED_THRESHOLD = 2**31 - 1  # mallopt takes a C int
+# The user's own choice, which domainpar leaves as it is.
+_MALLOC_ENV = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD_",
+               "MALLOC_MMAP_MAX_")
+_OTHER_ALLOCATORS = ("jemalloc", "tcmalloc", "mimalloc")
+
+
+@functools.cache
+def malloc_thresholds() -> str:
+    """Local; once per process, on import of ``domainpar.comm``. Fix glibc's mmap
+    and trim thresholds at 2 GiB (``mallopt``) and say what the allocator does now.
+
+    ``DOMAINPAR_MALLOC=0`` leaves glibc's own thresholds, as do thresholds the
+    environment sets (``MALLOC_*_`` variables, ``glibc.malloc`` tunables) and a
+    preloaded allocator (jemalloc, tcmalloc, mimalloc). Raises ValueError for a
+    value other than 0 or 1.
+    """
+    setting = os.environ.get("DOMAINPAR_MALLOC", "").strip()
+    if setting not in ("", "0", "1"):
+        raise ValueError(f"DOMAINPAR_MALLOC={setting!r}: use 1 (fixed malloc thresholds, the "
+                         f"default) or 0 (glibc's own), or unset it")
+    if setting == "0":
+        return "glibc's own thresholds (DOMAINPAR_MALLOC=0)"
+    users = [k for k in _MALLOC_ENV if k in os.environ]
+    if "glibc.malloc." in os.environ.get("GLIBC_TUNABLES", ""):
+        users.append("GLIBC_TUNABLES")
+    if users:
+        return f"thresholds as the environment sets them ({', '.join(users)})"
+    preload = os.environ.get("LD_PRELOAD", "")
+    other = [name for name in _OTHER_ALLOCATORS if name in preload]
+    if other:
+        return f"{other[0]} (preloaded): left as it is"
+    done = set_malloc_thresholds(_FIXED_THRESHOLD, _FIXED_THRESHOLD)
+    if done is None:
+        return "not glibc: left as it is"
+    if not done:
+        return "glibc refused fixed thresholds: its own"
+    return ("fixed by domainpar: blocks under 2 GiB stay in the heap, never trimmed "
+            "(DOMAINPAR_MALLOC=0: glibc's own)")
+
+
+def set_malloc_thresholds(mmap_threshold: int, trim_threshold: int) -> bool | None:
+    """Local. glibc's ``mallopt``: blocks from ``mmap_threshold`` bytes get fresh
+    pages (returned at free), free heap memory past ``trim_threshold`` goes back
+    to the kernel; either fixed turns off glibc's own rising thresholds. True if
+    glibc took both, False if it refused one, None without glibc."""
+    try:
+        libc = ctypes.CDLL(None)
+        libc.gnu_get_libc_version  # noqa: B018 (present in glibc only)
+        mallopt = libc.mallopt
+    except (OSError, AttributeError):
+        return None
+    return bool(mallopt(_M_MMAP_THRESHOLD, mmap_threshold)
+                and mallopt(_M_TRIM_THRESHOLD, trim_threshold))
+
+
+malloc_thresholds()  # on import, before the first large tensor
 
 
 @functools.cache
@@ -173,6 +244,7 @@ def capabilities() -> dict[str, object]:
         "device_buffers": DEVICE_PATHS[bool(aware)],
         "cupy": _cupy_report(),
         "h5py": _h5py_report(),
+        "malloc": malloc_thresholds(),
     }
     found, where = packing.native_library()
     report["native_kernels"] = ("found: " if found else "not found: ") + where
