@@ -328,14 +328,16 @@ def test_applied_sets_and_restores_the_settings(monkeypatch):
     assert "DOMAINPAR_HALO_WAY" not in settings.os.environ
 
 
-def test_malloc_settings_are_refused_in_a_running_process(monkeypatch):
-    """glibc reads its tunables at start: applying another value in-process (a
-    benchmark that does not launch jobs) raises; a job started with the value
-    (B's job re-applying its own settings) passes."""
+@pytest.mark.parametrize("key,values", [("MALLOC_MMAP_THRESHOLD_", ("12345", "54321")),
+                                        ("DOMAINPAR_MALLOC", ("0", "1"))])
+def test_malloc_settings_are_refused_in_a_running_process(monkeypatch, key, values):
+    """glibc reads its tunables at start, domainpar sets its thresholds on import:
+    applying another value in-process (a benchmark that does not launch jobs)
+    raises; a job started with the value (B's job re-applying its own settings)
+    passes."""
     from domainpar.bench import settings
-    key = "MALLOC_MMAP_THRESHOLD_"
     started = settings._STARTED_WITH[key]
-    other = "12345" if started != "12345" else "54321"
+    other = values[0] if started != values[0] else values[1]
     with pytest.raises(ValueError, match="launch their own jobs"):
         with settings.applied({key: other}):
             pass
