@@ -25,7 +25,8 @@ ranks, one torch thread per rank; a step is forward and ``.mean().backward()``
   conv steps and a training step (forward, loss, backward, SGD with momentum,
   DomainParallel on N ranks) of a small 3-D UNet-like net, ``small_unet``;
   ``--unet MODULE:CALLABLE`` swaps in another model. Each under glibc's
-  default malloc and with a fixed mmap threshold (``ALLOCATORS``).
+  own malloc (``DOMAINPAR_MALLOC=0``) and with a fixed mmap threshold
+  (``ALLOCATORS``).
 
 Targets (issue 4): speedup >= 1.9 for the 3-D conv; the UNet step's per-rank
 peak above the import baseline <= 0.55 of one process's.
@@ -414,12 +415,14 @@ def _memory_worker(args) -> dict:
 
 
 # -- the launcher -------------------------------------------------------------------------------
-# The allocators the memory jobs run under. glibc's malloc raises its mmap
+# The allocators the memory jobs run under. glibc's own malloc raises its mmap
 # threshold after the first large free, and from then on serves big tensors from
 # its heap, which keeps freed memory resident: RSS then depends on the order of
-# allocations as much as on what is alive. A fixed threshold gives every tensor
-# over 128 KiB its own mapping, returned on free, so RSS follows live memory.
-ALLOCATORS = {"default_malloc": {},
+# allocations as much as on what is alive (domainpar's own 2 GiB thresholds,
+# comm.runtime.malloc_thresholds, keep all of it: DOMAINPAR_MALLOC=0 asks for
+# glibc's). A fixed threshold gives every tensor over 128 KiB its own mapping,
+# returned on free, so RSS follows live memory.
+ALLOCATORS = {"default_malloc": {"DOMAINPAR_MALLOC": "0"},
               "fixed_mmap_threshold": {"MALLOC_MMAP_THRESHOLD_": str(128 * 1024)}}
 
 
