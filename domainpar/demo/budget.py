@@ -39,7 +39,7 @@ from ..plan.units import format_bytes, parse_bytes
 
 OFF = ("none", "off")
 _STATUS = "/proc/self/status"
-MMAP_THRESHOLD = 128 * 1024  # glibc's own starting value, and half its trim threshold
+MMAP_THRESHOLD = 128 * 1024  # glibc's own starting values of its mmap and trim thresholds
 STEPS = 2  # the attempt's training steps: the second holds Adam's state too
 # Set by mpiexec in each rank (Open MPI sets OMPI_MCA_orte_*, ess, pmix too): a
 # process started from a rank must not inherit them, or its MPI_Init would try
@@ -90,7 +90,7 @@ def _settle() -> None:
     tensor: load what torch's optimizer imports on its first step
     (``torch._dynamo``, about 70 MiB, the same for any field); have glibc give
     every freed block of 128 KiB or more back to the system, and free heap
-    memory past 256 KiB (glibc's default raises the first threshold to 32 MiB
+    memory past 128 KiB (glibc's default raises the first threshold to 32 MiB
     as blocks are freed, and domainpar fixes both at 2 GiB on import,
     ``comm.runtime.malloc_thresholds``: freed memory would stay mapped, a
     budget would then count tensors long dead, and memory freed before
@@ -101,7 +101,7 @@ def _settle() -> None:
     import torch._dynamo  # noqa: F401
 
     from ..comm.runtime import set_malloc_thresholds
-    set_malloc_thresholds(MMAP_THRESHOLD, 2 * MMAP_THRESHOLD)
+    set_malloc_thresholds(MMAP_THRESHOLD, MMAP_THRESHOLD)
     ctypes.CDLL(None).malloc_trim(0)
 
 
