@@ -81,6 +81,16 @@ def install_abort_hook_under_mpi() -> None:
 install_abort_hook_under_mpi()  # on import: domainpar used under mpiexec without dp.init()
 
 
+def switch(name: str) -> tuple[str, str | None]:
+    """Local. The on/off setting ``name`` as the environment gives it ("" unset,
+    "0" or "1") and, for any other value, the problem naming the valid ones (for
+    the caller to raise, or to ``agree`` on where ranks may differ)."""
+    value = os.environ.get(name, "")
+    if value in ("", "0", "1"):
+        return value, None
+    return value, f"{name}={value!r}: use 1, 0 or leave it unset"
+
+
 # -- glibc's malloc ---------------------------------------------------------------------------
 # glibc serves a block past its mmap threshold with fresh pages, faulted in (and zeroed)
 # at first touch and returned at free; the threshold starts at 128 KiB and rises, as

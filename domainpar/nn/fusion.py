@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import dataclasses
 import operator
-import os
 import types
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -45,6 +44,7 @@ import torch.nn.functional as F
 
 from .. import autograd as ag
 from ..comm.errors import agree, signature_of
+from ..comm.runtime import switch
 from ..ops import window
 from ..ops.common import autocast_operands
 from ..ops.conv import ConvSpec, HaloConv, padding_pairs  # the unfused conv's Function, no halo
@@ -468,10 +468,8 @@ def fuse_for(module: torch.nn.Module, fuse_halos: bool | None, comm) -> list[str
     names are agreed over ``comm`` (a difference, say in the environment, is a
     MismatchError on every rank), so every rank exchanges alike."""
     if fuse_halos is None:
-        value = os.environ.get("DOMAINPAR_FUSE_HALOS", "")
+        value, problem = switch("DOMAINPAR_FUSE_HALOS")
         fuse_halos = value == "1"
-        problem = None if value in ("", "0", "1") else \
-            f"DOMAINPAR_FUSE_HALOS={value!r}: use 1, 0 or leave it unset"
     else:
         problem = None
     marked = fuse_chains(module) if fuse_halos and problem is None else []

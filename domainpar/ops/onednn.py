@@ -29,11 +29,12 @@ the rule or drops either, tests/test_onednn.py says so.
 from __future__ import annotations
 
 import functools
-import os
 import time
 
 import numpy as np
 import torch
+
+from ..comm.runtime import switch
 
 LAYOUT = "onednn-layout"  # kernel_order's answer: convert the block to oneDNN's layout
 
@@ -174,9 +175,9 @@ def kernel_order(shape, dtype, device, w_shape, stride, padding, dilation, group
 # first call of each signature about 3 more convs (1.1-1.3 s on the first no_grad
 # forward of a UNet3d at 128^3 on 2 ranks), which a job of one forward, or one whose
 # block shapes keep changing, never repays.
-_SETTING = os.environ.get("DOMAINPAR_CONV_TUNING", "")
-if _SETTING not in ("", "0", "1"):
-    raise ValueError(f"DOMAINPAR_CONV_TUNING={_SETTING!r}: use 1, 0 or leave it unset")
+_SETTING, _PROBLEM = switch("DOMAINPAR_CONV_TUNING")
+if _PROBLEM:
+    raise ValueError(_PROBLEM)
 TUNING = _SETTING != "0"
 _TUNE_CELLS = 1 << 21    # convs of at least this many input cells are timed
 _TUNE_PIECES = 8         # the alternative: this many pieces of output rows,
