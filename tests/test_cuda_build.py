@@ -61,7 +61,7 @@ def test_cmake_option_builds_the_fatbin_packing_loads(nvcc, tmp_path, monkeypatc
     if shutil.which("cmake") is None:
         pytest.skip("needs cmake")
     src = tmp_path / "src"
-    for rel in ("CMakeLists.txt", "kernels/pack.c", "kernels/pack.cu"):
+    for rel in ("CMakeLists.txt", "kernels/pack.c", "kernels/rowwise.c", "kernels/pack.cu"):
         (src / rel).parent.mkdir(parents=True, exist_ok=True)
         shutil.copy(ROOT / rel, src / rel)
     build = tmp_path / "build"
@@ -72,6 +72,7 @@ def test_cmake_option_builds_the_fatbin_packing_loads(nvcc, tmp_path, monkeypatc
     native = src / "domainpar" / "_native"
     fatbin = native / "pack.fatbin"
     assert (native / "libdomainpar_pack.so").exists()
+    assert (native / "libdomainpar_rowwise.so").exists()
     assert _fatbin_images(fatbin) == [packing.cuda_kernel_names()]
     monkeypatch.setattr(packing, "_NATIVE_DIR", native)
     assert packing.cuda_kernels() == f"prebuilt: {fatbin}"

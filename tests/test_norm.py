@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from mpi4py import MPI
 
 import domainpar as dp
+from domainpar.ops import rowwise
 from domainpar.testing import assert_matches_single_process, raises_on_every_rank, shard_like
 from tensor_cases import COMM, global_tensor, layout
 
@@ -156,6 +157,68 @@ def test_fused_group_norm_makes_one_block_sized_tensor_each_way():
     assert len(made["backward"] - given) == 1  # the input gradient
 
 
+ROW_PASSES = pytest.mark.parametrize("native", [True, False], ids=["C loops", "torch ops"])
+
+
+def _row_passes(monkeypatch, native):
+    """Run the group norm's row passes in C (``ops.rowwise``, where they apply:
+    one torch thread, as run_mpi.py and the Makefile set) or with torch's ops;
+    returns a count of the C affine calls (the fused path's forward makes one)."""
+    monkeypatch.setattr(rowwise, "use_native", native)
+    calls = [0]
+    affine = rowwise.affine
+
+    def counted(*args, **kwargs):
+        calls[0] += 1
+        return affine(*args, **kwargs)
+    monkeypatch.setattr(rowwise, "affine", counted)
+    return calls
+
+
+@ROW_PASSES
+@pytest.mark.parametrize("grid_ndim,kind", [(1, "uneven"), (2, "zero"), (3, "periodic")])
+def test_group_norm_row_passes_match_one_process(native, grid_ndim, kind, monkeypatch):
+    """The fused group norm with its row passes in C and with torch's ops, float64
+    and float32, against one process; the C loops really run where asked."""
+    calls = _row_passes(monkeypatch, native)
+    shape = SHAPES[3]
+    grid, shard, sizes = layout(shape, SPATIAL_FIRST[3], grid_ndim, kind)
+    for dtype in (torch.float64, torch.float32):
+        assert_matches_single_process(_affine(nn.GroupNorm(2, C)).to(dtype),
+                                      global_tensor(shape, dtype, INPUT_SEED), grid, shard,
+                                      sizes=sizes)
+    cut = COMM.Get_size() > 1 and torch.get_num_threads() == 1 and rowwise._LIB is not None
+    assert (calls[0] > 0) == (native and cut)
+
+
+NO_GRAD_CONFIGS = [("GroupNorm(2)", lambda: _affine(nn.GroupNorm(2, C))),
+                   ("InstanceNorm3d affine", lambda: inorm(3, affine=True)),
+                   ("LayerNorm 3-D", lambda: _affine(nn.LayerNorm((5, 4, 3))))]
+
+
+@ROW_PASSES
+@pytest.mark.parametrize("name,make", NO_GRAD_CONFIGS, ids=[n for n, _ in NO_GRAD_CONFIGS])
+@pytest.mark.parametrize("grid_ndim,kind", [(1, "even"), (2, "uneven"), (3, "zero")])
+def test_no_grad_forward_matches_one_process(native, name, make, grid_ndim, kind, monkeypatch):
+    """Under no_grad the moments of every norm over trailing dims come from the C
+    loops (or torch's ops): float64 to 1e-10 of one process; float32 within
+    twice one process's float32 error against float64 (or 1e-6 of the output)."""
+    _row_passes(monkeypatch, native)
+    shape = SHAPES[3]
+    grid, shard, sizes = layout(shape, SPATIAL_FIRST[3], grid_ndim, kind)
+    model = make()
+    xd = global_tensor(shape, torch.float64, INPUT_SEED)
+    with torch.no_grad():
+        truth = model.double()(xd)
+        ours = model(shard_like(xd, grid, shard, sizes)).full_tensor()
+        torch.testing.assert_close(ours, truth, rtol=1e-10, atol=1e-10)
+        model32, x32 = copy.deepcopy(model).float(), xd.float()
+        err_torch = float((model32(x32).double() - truth).abs().max())
+        err_ours = float((model32(shard_like(x32, grid, shard, sizes)).full_tensor().double()
+                          - truth).abs().max())
+    assert err_ours <= max(2 * err_torch, 1e-6 * float(truth.abs().max())), (err_ours, err_torch)
+
+
 @pytest.mark.parametrize("grid_ndim,kind", [(1, "uneven"), (2, "zero"), (3, "even")])
 def test_under_domain_parallel(grid_ndim, kind):
     """Weight and bias gradients deferred and bucketed by DomainParallel."""
@@ -281,13 +344,17 @@ def _run(model, x, loss_weight, layout_=None):
     return [t.detach().double() for t in full + [p.grad for p in model.parameters()]]
 
 
+@ROW_PASSES
+@pytest.mark.parametrize("order", [BATCH_FIRST[2], SPATIAL_FIRST[2]], ids=["batch", "spatial"])
 @pytest.mark.parametrize("grid_ndim,kind", [(1, "uneven"), (2, "even"), (3, "zero")])
-def test_large_offset_float32(grid_ndim, kind):
+def test_large_offset_float32(grid_ndim, kind, order, native, monkeypatch):
     """x = 1e4 + randn in float32: E[x^2] - E[x]^2 loses every digit of the variance
     (asserted below), per-block moments combined with Chan's formula do not. Output,
     input and parameter gradients are as close to the float64 truth as torch's own
     float32 kernels get, or within 1e-3 relative (float32's resolution at 1e4, the
-    unit of the normalized values); the naive formula is off by O(1)."""
+    unit of the normalized values); the naive formula is off by O(1). The group
+    norm's row passes in C and with torch's ops."""
+    _row_passes(monkeypatch, native)
     shape = SHAPES[2]
     x = (1e4 + global_tensor(shape, seed=INPUT_SEED)).float()
     xd = x.double()
@@ -300,7 +367,7 @@ def test_large_offset_float32(grid_ndim, kind):
     w = global_tensor(shape, seed=12345)
     truth = _run(model, xd, w)
     torch32 = _run(model, x, w)
-    ours = _run(model, x, w, layout(shape, BATCH_FIRST[2], grid_ndim, kind))
+    ours = _run(model, x, w, layout(shape, order, grid_ndim, kind))
     names = ["output", "input gradient"] + [n for n, _ in model.named_parameters()]
     for name, t, o, m in zip(names, truth, torch32, ours):
         scale = float(t.abs().max())

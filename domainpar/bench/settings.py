@@ -32,9 +32,12 @@ def _halo_way(value: str | None) -> None:
 
 def _native(value: str | None) -> None:
     from ..comm import packing
-    # The kernels load at import unless DOMAINPAR_NATIVE=0 was set then; this
-    # flag switches between them and numpy from call to call.
+    # The kernels load at import unless DOMAINPAR_NATIVE=0 was set then; these
+    # flags switch between them and numpy or torch from call to call.
     packing.use_native = value != "0"
+    rowwise = sys.modules.get("domainpar.ops.rowwise")
+    if rowwise is not None:  # else it reads the environment when imported
+        rowwise.set_native(value != "0")
 
 
 def _cuda_aware(value: str | None) -> None:
@@ -85,7 +88,8 @@ KEYS: dict[str, tuple[str, tuple[str, ...] | Callable[[str], bool],
                       Callable[[str | None], None]]] = {
     "DOMAINPAR_HALO_WAY": ("strided halo faces as derived datatypes or packed, untuned",
                            ("datatype", "pack"), _halo_way),
-    "DOMAINPAR_NATIVE": ("C pack kernels (1) or numpy copies (0)", ("0", "1"), _native),
+    "DOMAINPAR_NATIVE": ("C kernels (1: halo packing, the sharded group norm's passes) or "
+                         "numpy and torch (0)", ("0", "1"), _native),
     "DOMAINPAR_CUDA_AWARE": ("device buffers straight to MPI (1) or staged (0)", ("0", "1"),
                              _cuda_aware),
     "DOMAINPAR_IO": ("HDF5 driver", ("auto", "mpio", "serial"), lambda value: None),

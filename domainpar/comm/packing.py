@@ -1,9 +1,9 @@
 """Pack and unpack strided boxes of arrays to and from contiguous buffers.
 
-Host arrays: the C kernels (kernels/pack.c, built by CMakeLists.txt into
-domainpar/_native/) copy faces made of short rows 3-10x faster than numpy;
-numpy keeps single-element rows, where it is a little faster, and everything
-when the kernels are not built.
+Host arrays: the C kernels (kernels/pack.c, loaded by ``comm.native``) copy
+faces made of short rows 3-10x faster than numpy; numpy keeps single-element
+rows, where it is a little faster, and everything when the kernels are not
+built.
 Device arrays: the CUDA kernels (kernels/pack.cu), compiled at run time by
 NVRTC through CuPy; CuPy's own copy if they fail to compile.
 ``native_library()`` says what was found, for ``domainpar info``.
@@ -11,15 +11,14 @@ NVRTC through CuPy; CuPy's own copy if they fail to compile.
 from __future__ import annotations
 
 import ctypes
-import os
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from . import buffers
+from . import buffers, native
 
-_NATIVE_DIR = Path(__file__).resolve().parent.parent / "_native"
+_NATIVE_DIR = native.NATIVE_DIR
 _CUDA_SOURCE = Path(__file__).resolve().parent.parent.parent / "kernels" / "pack.cu"
 _CUDA_MAX_DIMS = 8  # DP_MAX_DIMS in pack.cu
 _ADD_CODES = {np.dtype(np.float32): b"f", np.dtype(np.float64): b"d",
@@ -28,15 +27,9 @@ _ADD_CODES = {np.dtype(np.float32): b"f", np.dtype(np.float64): b"d",
 
 
 def _load_native() -> tuple[ctypes.CDLL | None, str]:
-    if os.environ.get("DOMAINPAR_NATIVE", "1") == "0":
-        return None, "disabled by DOMAINPAR_NATIVE=0"
-    path = _NATIVE_DIR / "libdomainpar_pack.so"
-    if not path.exists():
-        return None, f"not built ({path} missing: run `make kernels`)"
-    try:
-        lib = ctypes.CDLL(str(path))
-    except OSError as exc:
-        return None, f"failed to load {path}: {exc}"
+    lib, where = native.load("libdomainpar_pack.so")
+    if lib is None:
+        return None, where
     i64p = ctypes.POINTER(ctypes.c_int64)
     for name, last in (("dp_pack", ctypes.c_void_p), ("dp_unpack", ctypes.c_void_p)):
         fn = getattr(lib, name)
@@ -45,7 +38,7 @@ def _load_native() -> tuple[ctypes.CDLL | None, str]:
     lib.dp_unpack_add.argtypes = [ctypes.c_void_p, ctypes.c_int, i64p, i64p, ctypes.c_char,
                                   ctypes.c_void_p]
     lib.dp_unpack_add.restype = ctypes.c_int
-    return lib, str(path)
+    return lib, where
 
 
 _LIB, _LIB_WHERE = _load_native()

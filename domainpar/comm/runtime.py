@@ -237,7 +237,7 @@ def stages_device_buffers() -> bool:
 def capabilities() -> dict[str, object]:
     """Local. What this process's MPI, GPU and I/O stack can do (no torch here;
     the CLI adds torch's view)."""
-    from . import packing
+    from . import native, packing
     try:
         aware, how = cuda_aware_mpi()
     except ValueError as exc:  # reported, so that `domainpar info` shows the mistake
@@ -256,8 +256,7 @@ def capabilities() -> dict[str, object]:
         "h5py": _h5py_report(),
         "malloc": malloc_thresholds(),
     }
-    found, where = packing.native_library()
-    report["native_kernels"] = ("found: " if found else "not found: ") + where
+    report["native_kernels"] = native.libraries()
     report["cuda_kernels"] = packing.cuda_kernels()
     return report
 

@@ -6,16 +6,21 @@ ranks that share them.
 the block through ``norm.moments`` and the broadcast that enters them, so its
 backward reads and writes the block about a dozen times with the moments'.
 ``GroupAffine`` (float32 and float64 group_norm) does what torch's CPU kernel
-does, in a few passes more than it:
+does:
 
 - forward: y = x * a + c, a = invstd * weight and c = bias - mean * a per
-  (sample, channel): two passes (torch's kernel has the same form, in one,
-  and so errors of the same size under a large offset);
-- backward: per (sample, channel) sums of g and of g * x over the block (the
-  second a product held for a moment, then summed), summed over each group and
-  then over the ranks that share the group (``comm``: one allreduce of two
-  numbers per (sample, group), in place of the moments' and the statistics'
-  two), and the input gradient dx = coef * g + k1 * x + k0 in three passes.
+  (sample, channel) (torch's kernel has the same form, and so errors of the
+  same size under a large offset);
+- backward: per (sample, channel) sums of g and of g * x over the block,
+  summed over each group and then over the ranks that share the group
+  (``comm``: one allreduce of two numbers per (sample, group), in place of the
+  moments' and the statistics' two), and the input gradient
+  dx = coef * g + k1 * x + k0.
+
+Where the C row loops take the block (``rowwise.usable``: CPU, one torch
+thread) each of these is one pass: the forward map, both sums in one read of
+g and x, dx. Elsewhere torch's ops take two passes forward (``_AFFINE_PASSES``)
+and five backward (the product g * x is written out before its sum).
 
 With n the group's cells over all ranks, r = invstd, w the channel's weight,
 A = sum(w g) and B = sum(w g (x - mean)) over the whole group:
@@ -25,11 +30,14 @@ for every parameter.
 """
 from __future__ import annotations
 
+import math
+
 import torch
 from mpi4py import MPI
 from torch.autograd.function import once_differentiable
 
 from .. import autograd as ag
+from . import rowwise
 
 
 def opmath(dtype: torch.dtype) -> torch.dtype:
@@ -95,6 +103,9 @@ class GroupAffine(torch.autograd.Function):
         ctx.save_for_backward(x, mean, invstd, weight)
         ctx.comm, ctx.count, ctx.has_bias = comm, count, bias is not None
         ctx.mark_dirty(out)
+        if rowwise.usable(x, out):  # one pass per (sample, channel) row
+            rows = x.shape[:3] + (1,)
+            return rowwise.affine(x, a.expand(rows), c.expand(rows), out)
         return torch.mul(x, a, out=out).add_(c)  # see _AFFINE_PASSES
 
     @staticmethod
@@ -103,9 +114,17 @@ class GroupAffine(torch.autograd.Function):
         x, mean, invstd, weight = ctx.saved_tensors
         need_x, _, _, need_w, need_b = ctx.needs_input_grad[:5]
         g = g.contiguous()
-        sg = g.sum(-1, keepdim=True)
-        buf = torch.empty_like(x) if need_x or need_w else None  # g * x, then dx
-        sgx = None if buf is None else _row_dots(g, x, buf)
+        rows = x.shape[:3] + (1,)  # one per (sample, channel)
+        native = rowwise.usable(g, x)
+        buf = None  # torch's product g * x, then dx
+        sgx: torch.Tensor | None
+        if native:  # both sums in one read of g and x
+            sg, sgx = (t.to(x.dtype).reshape(rows)
+                       for t in rowwise.dots(g, x, math.prod(x.shape[:3])))
+        else:
+            sg = g.sum(-1, keepdim=True)
+            buf = torch.empty_like(x) if need_x or need_w else None
+            sgx = None if buf is None else _row_dots(g, x, buf)
         gx = gw = gb = None
         if need_x:
             assert sgx is not None
@@ -117,7 +136,12 @@ class GroupAffine(torch.autograd.Function):
             inv_n = 1.0 / max(ctx.count, 1)
             k1 = -(invstd ** 3) * ab[1] * inv_n
             k0 = -invstd * ab[0] * inv_n - k1 * mean
-            gx = torch.mul(x, k1, out=buf).add_(k0).addcmul_(g, invstd * w)  # _AFFINE_PASSES
+            if native:
+                gx = rowwise.affine(x, k1.expand(rows), k0.expand(rows), torch.empty_like(x),
+                                    g, (invstd * w).expand(rows))
+            else:
+                assert buf is not None  # made above whenever need_x
+                gx = torch.mul(x, k1, out=buf).add_(k0).addcmul_(g, invstd * w)  # _AFFINE_PASSES
         if need_w:
             assert sgx is not None
             gw = (invstd * (sgx - mean * sg)).sum(0, keepdim=True)

@@ -1,0 +1,106 @@
+"""The C row loops (kernels/rowwise.c through ops/rowwise.py) against float64
+references and torch's ops: moments under a large offset, the two sums of a
+row pair, the affine map with and without its gradient term; rows of any
+length (none, one, not a multiple of the loops' unrolling or blocks); where
+they apply and where torch's ops run instead."""
+import pytest
+import torch
+
+from domainpar.ops import rowwise
+
+LENGTHS = [0, 1, 7, 8, 127, 129, 3 * 128 + 5, 40000]
+
+
+@pytest.fixture(autouse=True)
+def one_thread(monkeypatch):
+    """The loops apply where torch runs on one thread (the Makefile's setting)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def needs_library():
+    if rowwise._LIB is None:
+        pytest.fail("the C row loops were not built (domainpar/_native/libdomainpar_rowwise.so "
+                    "missing: `make kernels` builds it)")
+
+
+def _rows(dtype, n, rows=3, offset=0.0, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    return (offset + torch.randn(rows, n, dtype=torch.float64, generator=gen)).to(dtype)
+
+
+@pytest.mark.parametrize("dtype,rtol", [(torch.float32, 1e-6), (torch.float64, 1e-12)])
+@pytest.mark.parametrize("n", LENGTHS)
+def test_moments_exact_under_a_large_offset(dtype, rtol, n):
+    """mean and M2 of x = 1e4 + randn, against float64 sums of the same values:
+    sum x^2 - n mean^2 would lose every digit of M2 in float32 at this offset."""
+    needs_library()
+    x = _rows(dtype, n, offset=1e4)
+    mean, m2 = rowwise.moments(x, 3)
+    xd = x.double()
+    if n == 0:
+        assert mean.tolist() == [0.0] * 3 and m2.tolist() == [0.0] * 3
+        return
+    true_mean = xd.mean(1)
+    true_m2 = ((xd - true_mean[:, None]) ** 2).sum(1)
+    torch.testing.assert_close(mean, true_mean, rtol=rtol, atol=0)
+    torch.testing.assert_close(m2, true_m2, rtol=rtol, atol=rtol * n)
+
+
+@pytest.mark.parametrize("dtype,rtol", [(torch.float32, 1e-6), (torch.float64, 1e-12)])
+@pytest.mark.parametrize("n", LENGTHS)
+def test_dots(dtype, rtol, n):
+    needs_library()
+    g, x = _rows(dtype, n, seed=1), _rows(dtype, n, offset=0.5, seed=2)
+    sum_g, sum_gx = rowwise.dots(g, x, 3)
+    scale = max(n, 1)
+    torch.testing.assert_close(sum_g, g.double().sum(1), rtol=0, atol=rtol * scale)
+    torch.testing.assert_close(sum_gx, (g.double() * x.double()).sum(1), rtol=0,
+                               atol=rtol * scale)
+
+
+def test_dots_long_row_of_one_sign():
+    """2^21 float32 terms of one sign per row (g all ones, x a constant 0.1): a few
+    roundings off (1.5e-7 here, as torch's cascaded sum); one float32 accumulator
+    would be off by 1e-3 or more."""
+    needs_library()
+    g = torch.ones(2, 1 << 21)
+    x = torch.full((2, 1 << 21), 0.1)
+    sum_g, sum_gx = rowwise.dots(g, x, 2)
+    exact = (g.double() * x.double()).sum(1)
+    assert sum_g.tolist() == [float(1 << 21)] * 2
+    assert ((sum_gx - exact).abs() / exact).max() < 1e-6
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("n", LENGTHS)
+def test_affine_as_torch(dtype, n):
+    """out = x * a + c and out = x * a + c + g * b, per row, as torch's ops compute
+    them (to a rounding: a compiler may fuse a multiply-add); in place too."""
+    needs_library()
+    x, g = _rows(dtype, n, rows=4, seed=3), _rows(dtype, n, rows=4, seed=4)
+    a, c, b = (_rows(dtype, 1, rows=4, seed=s).reshape(4, 1) for s in (5, 6, 7))
+    tol = {"rtol": 1e-6, "atol": 1e-6} if dtype == torch.float32 else {"rtol": 1e-14, "atol": 1e-14}
+    out = rowwise.affine(x, a, c, torch.empty_like(x))
+    torch.testing.assert_close(out, x * a + c, **tol)
+    out = rowwise.affine(x, a, c, torch.empty_like(x), g, b)
+    torch.testing.assert_close(out, x * a + c + g * b, **tol)
+    expected = x * a + c + g * b
+    rowwise.affine(x, a, c, g, g, b)  # into g, which it reads
+    torch.testing.assert_close(g, expected, **tol)
+
+
+def test_usable_only_where_the_loops_apply(monkeypatch):
+    needs_library()
+    x = torch.zeros(4, 6)
+    assert rowwise.usable(x, torch.zeros(4, 6, dtype=torch.float32))
+    assert not rowwise.usable(x.t())                          # not contiguous
+    assert not rowwise.usable(x.half())                       # no loop for the type
+    assert not rowwise.usable(x, x.double())                  # mixed types
+    monkeypatch.setattr(rowwise, "use_native", False)
+    assert not rowwise.usable(x)
+    monkeypatch.setattr(rowwise, "use_native", True)
+    torch.set_num_threads(2)                                  # torch's ops run in parallel
+    assert not rowwise.usable(x)
