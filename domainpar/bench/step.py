@@ -19,8 +19,9 @@ in the same run, into:
 - ``dispatch``: domainpar's Python around the local work of each DomainTensor
   call (``tensor.dispatch.observing_ops``: the dispatch, layout derivation,
   plans, wrapping): the call's time less the torch calls it makes on blocks
-  (timed by a ``TorchFunctionMode`` entered only inside DomainTensor calls)
-  and less its communication;
+  (timed by a ``TorchFunctionMode`` entered only inside DomainTensor calls),
+  less domainpar's C loops on blocks (``ops.rowwise.seconds``) and less its
+  communication;
 - ``instrumentation``: the measured cost of that timing itself (per observed
   call and per timed torch call, calibrated in the job before the steps);
 - ``compute``: the rest of the step: the torch calls on blocks, backward's
@@ -189,14 +190,16 @@ class Recorder:
     @contextlib.contextmanager
     def op_call(self, func):
         """An observer for ``dispatch.observing_ops``: the call's time, its torch calls timed."""
+        from ..ops import rowwise
         self.in_op = True
         local, local_calls, calls = self.local_s, self.local_calls, len(self.calls)
-        start = time.perf_counter()
+        native, start = rowwise.seconds(), time.perf_counter()
         try:
             with _LocalClock(self):
                 yield
         finally:
             took = time.perf_counter() - start
+            self.local_s += rowwise.seconds() - native  # C loops: local work, as torch's
             self.op_s += took
             self.ops += 1
             self.in_op = False

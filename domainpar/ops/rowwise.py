@@ -18,6 +18,7 @@ more, torch's ops run in parallel). Elsewhere the callers run torch's ops, which
 from __future__ import annotations
 
 import ctypes
+import time
 
 import torch
 
@@ -58,8 +59,20 @@ def usable(*tensors: torch.Tensor) -> bool:
                                     and t.is_contiguous() for t in tensors)
 
 
-def _fn(kind: str, dtype: torch.dtype):
-    return getattr(_LIB, f"dp_row_{kind}_{_SUFFIX[dtype]}")
+_SECONDS = [0.0]  # time inside the C loops so far
+
+
+def seconds() -> float:
+    """Local. The time this process has spent inside the C loops: local work
+    that no torch call shows, for benchmarks that split a step into parts
+    (``bench step`` counts it as compute, not as domainpar's Python)."""
+    return _SECONDS[0]
+
+
+def _run(kind: str, dtype: torch.dtype, *args) -> None:
+    start = time.perf_counter()
+    getattr(_LIB, f"dp_row_{kind}_{_SUFFIX[dtype]}")(*args)
+    _SECONDS[0] += time.perf_counter() - start
 
 
 def _length(x: torch.Tensor, rows: int) -> int:
@@ -72,7 +85,7 @@ def moments(x: torch.Tensor, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
     n = _length(x, rows)
     mean = torch.empty(rows, dtype=torch.float64)
     m2 = torch.empty(rows, dtype=torch.float64)
-    _fn("moments", x.dtype)(x.data_ptr(), rows, n, mean.data_ptr(), m2.data_ptr())
+    _run("moments", x.dtype, x.data_ptr(), rows, n, mean.data_ptr(), m2.data_ptr())
     return mean, m2
 
 
@@ -82,8 +95,8 @@ def dots(g: torch.Tensor, x: torch.Tensor, rows: int) -> tuple[torch.Tensor, tor
     n = _length(x, rows)
     sum_g = torch.empty(rows, dtype=torch.float64)
     sum_gx = torch.empty(rows, dtype=torch.float64)
-    _fn("dots", x.dtype)(g.data_ptr(), x.data_ptr(), rows, n, sum_g.data_ptr(),
-                         sum_gx.data_ptr())
+    _run("dots", x.dtype, g.data_ptr(), x.data_ptr(), rows, n, sum_g.data_ptr(),
+         sum_gx.data_ptr())
     return sum_g, sum_gx
 
 
@@ -97,7 +110,6 @@ def affine(x: torch.Tensor, a: torch.Tensor, c: torch.Tensor, out: torch.Tensor,
     n = _length(x, rows)
     a, c = (t.to(x.dtype).contiguous() for t in (a, c))
     b = None if b is None else b.to(x.dtype).contiguous()
-    _fn("affine", x.dtype)(x.data_ptr(), None if g is None else g.data_ptr(), out.data_ptr(),
-                           rows, n, a.data_ptr(), c.data_ptr(),
-                           None if b is None else b.data_ptr())
+    _run("affine", x.dtype, x.data_ptr(), None if g is None else g.data_ptr(), out.data_ptr(),
+         rows, n, a.data_ptr(), c.data_ptr(), None if b is None else b.data_ptr())
     return out
