@@ -6,7 +6,7 @@ rows, where it is a little faster, and everything when the kernels are not
 built.
 Device arrays: the CUDA kernels (kernels/pack.cu), compiled at run time by
 NVRTC through CuPy; CuPy's own copy if they fail to compile.
-``native_library()`` says what was found, for ``domainpar info``.
+``native_library()`` says what was found (``domainpar info`` asks ``comm.native``).
 """
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Row passes on the CPU in C (kernels/rowwise.c): the sharded group norm's.
+"""Row passes on the CPU in C (kernels/rowwise.c): the sharded norms'.
 
 Local. A contiguous float32 or float64 CPU tensor is a stack of rows (its trailing
 dims); each function here runs one C loop over them:
