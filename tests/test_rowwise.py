@@ -2,10 +2,17 @@
 references and torch's ops: moments under a large offset, the two sums of a
 row pair, the affine map with and without its gradient term; rows of any
 length (none, one, not a multiple of the loops' unrolling or blocks); where
-they apply and where torch's ops run instead."""
+they apply and where torch's ops run instead; DOMAINPAR_NATIVE=0 and a
+missing library."""
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
+from domainpar.bench import settings
+from domainpar.comm import native
 from domainpar.ops import rowwise
 
 LENGTHS = [0, 1, 7, 8, 127, 129, 3 * 128 + 5, 40000]
@@ -104,3 +111,30 @@ def test_usable_only_where_the_loops_apply(monkeypatch):
     monkeypatch.setattr(rowwise, "use_native", True)
     torch.set_num_threads(2)                                  # torch's ops run in parallel
     assert not rowwise.usable(x)
+
+
+def test_native_zero_leaves_both_libraries_unloaded():
+    """DOMAINPAR_NATIVE=0 at import: no library loads, torch's ops run, and
+    `domainpar info`'s line says why for each library."""
+    code = ("import torch; from domainpar.comm import native; from domainpar.ops import rowwise; "
+            "print(rowwise._LIB is None, rowwise.usable(torch.zeros(2)), native.libraries())")
+    env = {**os.environ, "DOMAINPAR_NATIVE": "0", "OMP_NUM_THREADS": "1"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         check=True, timeout=120).stdout
+    assert out.startswith("True False")
+    assert out.count("not found: disabled by DOMAINPAR_NATIVE=0") == 2
+
+
+def test_a_missing_library_says_how_to_build_it(monkeypatch, tmp_path):
+    monkeypatch.setattr(native, "NATIVE_DIR", tmp_path)
+    lib, why = native.load.__wrapped__("libdomainpar_rowwise.so")  # uncached
+    assert lib is None and "missing: run `make kernels`" in why
+
+
+def test_compare_native_zero_switches_the_row_loops():
+    """`--compare DOMAINPAR_NATIVE=0` turns the loops off around B's samples only."""
+    needs_library()
+    x = torch.zeros(4, 6)
+    with settings.applied({"DOMAINPAR_NATIVE": "0"}):
+        assert not rowwise.usable(x)
+    assert rowwise.usable(x)
