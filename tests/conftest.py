@@ -66,14 +66,16 @@ def conv_tuning(monkeypatch):
     """ops/onednn.py's whole-or-pieces choice for every float32 3-D conv, however
     small (no size floor, pieces one row thin allowed), timed on a fake clock by
     which the way named in ``state["favour"]`` ("pieces", the default, or
-    "whole") takes half as long. Yields (state, ran): ``ran`` lists the plan of
+    "whole") takes 1 and the other ``state["other"]`` (default 2). Yields
+    (state, ran): ``ran`` lists the plan of
     every run (None: whole); ``state["alive"]``, at each run, how many outputs
     of earlier runs were still alive."""
     from domainpar.ops import onednn
     monkeypatch.setattr(onednn, "_TUNE_CELLS", 1)
     monkeypatch.setattr(onednn, "_TUNE_ROWS", 1)
     monkeypatch.setattr(onednn, "_CHOICES", {})
-    now, ran, state = [0.0], [], {"favour": "pieces", "alive": []}
+    monkeypatch.setattr(onednn, "_TIMES", {})
+    now, ran, state = [0.0], [], {"favour": "pieces", "other": 2.0, "alive": []}
     monkeypatch.setattr(onednn, "_clock", lambda: now[0])
     in_pieces = onednn._in_pieces
     outputs = []
@@ -82,7 +84,8 @@ def conv_tuning(monkeypatch):
         plan = args[-1]
         ran.append(plan)
         state["alive"].append(sum(o() is not None for o in outputs))  # earlier outputs alive
-        now[0] += 1.0 if ("whole" if plan is None else "pieces") == state["favour"] else 2.0
+        favoured = ("whole" if plan is None else "pieces") == state["favour"]
+        now[0] += 1.0 if favoured else state["other"]
         out = in_pieces(*args)
         outputs.append(weakref.ref(out))
         return out

@@ -450,3 +450,32 @@ def test_padded_conv_keeps_its_input_layout(mode, grid_ndim):
         x = shard_like(global_tensor(shape), grid, shard, sizes)
         assert conv(x).to_local().shape == x.to_local().shape
         assert_matches_single_process(conv, global_tensor(shape), grid, shard, sizes=sizes)
+
+
+@pytest.mark.parametrize("kind", ["even", "zero"])
+def test_ranks_choose_one_kernel_way(conv_tuning, monkeypatch, kind):
+    """A sharded conv's first forward: its ranks keep the way whose slowest rank is
+    faster (ops/onednn.py, ``_AGREED``). Rank 0 times pieces at 1 and whole at 3,
+    the others whole at 1 and pieces at 2: each alone would keep its own, together
+    they keep pieces. A rank with an empty block takes part with no times; later
+    forwards agree no more; the numbers are one process's."""
+    from domainpar.ops import onednn
+    state, ran = conv_tuning
+    state["favour"], state["other"] = ("pieces", 3.0) if COMM.Get_rank() == 0 else ("whole", 2.0)
+    agreements = []
+    slowest = onednn._slowest
+    monkeypatch.setattr(onednn, "_slowest", lambda *a: agreements.append(a) or slowest(*a))
+    shape = (1, 4, 6 * SIZE, 10, 12)
+    grid, shard, sizes = layout(shape, (2,), 1, kind)
+    torch.manual_seed(3)  # the same weights on every rank
+    conv = nn.Conv3d(4, 3, 3, padding=1).requires_grad_(False)
+    x = global_tensor(shape, torch.float32, seed=5)
+    truth = F.conv3d(x.double(), conv.weight.double(), conv.bias.double(), padding=1)
+    xs = shard_like(x, grid, shard, sizes)
+    for _ in range(2):
+        out = conv(xs).full_tensor()
+        assert (out.double() - truth).abs().max() < 1e-4
+    assert len(agreements) == 1
+    empty = 0 in xs.to_local().shape
+    assert list(onednn._CHOICES.values()) == ([] if empty else [ran[1]])
+    assert empty or ran[1] is not None

@@ -41,7 +41,7 @@ from ..tensor import layout
 from ..tensor.dispatch import UnsupportedOpError, op_name, register
 from ..tensor.domain_tensor import DomainTensor
 from ..tensor.params import enter_domain
-from . import window
+from . import onednn, window
 from .common import autocast_dtype, autocast_operands, bind
 from .common import meta as _meta
 from .onednn import local_conv, local_conv_backward, row_pieces
@@ -138,8 +138,8 @@ def conv(func, args, kwargs):
     x, weight, bias = a["input"], a["weight"], a["bias"]
     check_operands(func, x, weight, bias, nsp)
     options = tuple(a[n] for n in _CONV_ARGS[3:])
-    plan = _planned(plan_key(func, x, weight, bias, options),
-                    lambda: _conv_plan(func, x, weight, bias, options, nsp))
+    key = plan_key(func, x, weight, bias, options)
+    plan = _planned(key, lambda: _conv_plan(func, x, weight, bias, options, nsp))
     if plan.spec is None:
         return _whole_blocks(func, x, weight, bias, plan.out_dec, *options)
     # Under autocast, cast as autocast would: HaloConv's backward runs outside it.
@@ -148,7 +148,23 @@ def conv(func, args, kwargs):
     halo = None
     if plan.exchanged:
         halo = window.exchange(dec, dict(spec.widths), {d: False for d in dec.shard})
-    return DomainTensor(HaloConv.apply(block, w, b, halo, spec), plan.out_dec)
+    agree = _first_forward(key, dec)
+    return DomainTensor(HaloConv.apply(block, w, b, halo, spec, agree), plan.out_dec)
+
+
+_FIRST: set = set()  # conv plan keys whose first forward has run (the same on every rank)
+
+
+def _first_forward(key, dec):
+    """Local. The grid's communicator on the first forward of the conv ``key`` (its
+    ranks then choose its kernel way together, ``onednn._AGREED``), else None. Every
+    rank reaches a plan's first forward at the same call: the keys are global."""
+    if key is None or key in _FIRST or not onednn.TUNING:
+        return None
+    if len(_FIRST) >= 1024:  # a bound for programs whose layouts never repeat
+        _FIRST.clear()
+    _FIRST.add(key)
+    return dec.grid.comm
 
 
 def _conv_plan(func, x: DomainTensor, weight, bias, options: tuple, nsp: int) -> _ConvPlan:
@@ -207,7 +223,9 @@ class ConvSpec:
 
 
 class HaloConv(torch.autograd.Function):
-    """Neighbour-wise collective. A conv of this rank's cells: its block with ghost
+    """Neighbour-wise collective (and collective over ``agree`` where given: the
+    ranks' choice of the local kernel's way at a conv's first forward,
+    ``onednn._AGREED``). A conv of this rank's cells: its block with ghost
     cells filled by ``halo`` (zero outside the domain), in one Function.
 
     The same as ``window.gather`` then torch's conv, with less memory. Forward
@@ -221,17 +239,19 @@ class HaloConv(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, block, weight, bias, halo, spec: ConvSpec):
+    def forward(ctx, block, weight, bias, halo, spec: ConvSpec, agree=None):
         widths = dict(spec.widths)
         padded = _padded_block(block, widths)
         if halo is not None:
             fill_in_place(padded, halo)
         cells = _cells(padded, spec)
         if 0 in spec.out_shape[2:]:
+            if agree is not None:
+                onednn.agree_on_nothing(agree)
             out = block.new_zeros(spec.out_shape)
         else:
             out = local_conv(spec.func, cells, weight, bias, spec.stride, spec.padding,
-                             spec.dilation, spec.groups)
+                             spec.dilation, spec.groups, agree=agree)
         ctx.slabs = [(d, start, padded.narrow(d, start, size).clone())
                      for d, (lo, hi) in widths.items()
                      for start, size in ((0, lo), (lo + block.shape[d], hi)) if size]
@@ -261,7 +281,7 @@ class HaloConv(torch.autograd.Function):
             g_block = g_padded
             for d, (lo, _) in spec.widths:
                 g_block = g_block.narrow(d, lo, ctx.block_shape[d])
-        return g_block, g_w, g_b, None, None
+        return g_block, g_w, g_b, None, None, None
 
 
 # Backward rebuilds the padded block from the saved block and ghost slabs. Whole,

@@ -1,6 +1,7 @@
 """CPU oneDNN kernel selection for the local conv of a block: a workaround for
-torch's size rule, on a private torch API. Local: no message; every function
-here acts on this rank's tensors only.
+torch's size rule, on a private torch API. Local: every function here acts on
+this rank's tensors only, but for the ranks' agreement on a tuned conv's way
+(``agree``, ``agree_on_nothing``: one small allreduce at a conv's first forward).
 
 torch runs batch-1 float32 3-D convs on CPU by im2col (``slow_conv3d``) when
 N*C*D*H is small ("native is faster for some cases"), and a block is smaller
@@ -17,7 +18,8 @@ reordered. All give the same numbers as torch's default path (to float32
 rounding). ``tuned_conv`` runs a large conv whole or in pieces of output rows,
 whichever this rank timed faster the first time it met the conv's signature:
 oneDNN is much slower on a few block shapes than on their neighbours
-(``DOMAINPAR_CONV_TUNING=0``: always whole).
+(``DOMAINPAR_CONV_TUNING=0``: always whole). A sharded conv's ranks agree on
+one way at its first forward (``_AGREED``: the one collective here).
 
 Torch version: checked on torch 2.13.0+cpu (tests/test_onednn.py: the private
 query and the direct kernel exist, the query picks im2col for a thin block and
@@ -34,6 +36,7 @@ import time
 import numpy as np
 import torch
 
+from ..comm import collectives
 from ..comm.runtime import switch
 
 LAYOUT = "onednn-layout"  # kernel_order's answer: convert the block to oneDNN's layout
@@ -48,9 +51,10 @@ LAYOUT = "onednn-layout"  # kernel_order's answer: convert the block to oneDNN's
 _DIRECT = getattr(torch, "mkldnn_convolution", None)
 
 
-def local_conv(func, cells, w, b, stride, padding, dilation, groups, output_padding=None):
-    """Local. torch's conv (or transposed conv, given ``output_padding``) on this
-    rank's cells, by oneDNN where torch would take its im2col path for the block
+def local_conv(func, cells, w, b, stride, padding, dilation, groups, output_padding=None,
+               agree=None):
+    """Local (collective over ``agree`` where given). torch's conv (or transposed
+    conv, given ``output_padding``) on this rank's cells, by oneDNN where torch would take its im2col path for the block
     alone (see the module docstring). A conv calls torch's oneDNN kernel
     directly (``_DIRECT``). Otherwise (a transposed conv, or a torch without that
     entry): the size rule reads dims 2 and 3 only, so torch gets the block with
@@ -59,10 +63,17 @@ def local_conv(func, cells, w, b, stride, padding, dilation, groups, output_padd
     rule, a conv converts the block to oneDNN's own layout. A large float32 3-D
     conv runs whole or in pieces of output rows, whichever ran faster the first
     time this rank met its signature (``tuned_conv``).
+
+    ``agree``, a communicator, makes the call collective over it (every rank of
+    it calls ``local_conv`` or ``agree_on_nothing`` together): the ranks choose
+    one way for all (``_AGREED``).
     """
-    if output_padding is None and cells.dim() == 5 and cells.dtype == torch.float32 \
-            and cells.device.type == "cpu" and TUNING and cells.numel() >= _TUNE_CELLS:
-        return tuned_conv(func, cells, w, b, stride, padding, dilation, groups)
+    tuned = output_padding is None and cells.dim() == 5 and cells.dtype == torch.float32 \
+        and cells.device.type == "cpu" and TUNING and cells.numel() >= _TUNE_CELLS
+    if tuned:
+        return tuned_conv(func, cells, w, b, stride, padding, dilation, groups, agree)
+    if agree is not None:
+        agree_on_nothing(agree)
     return _conv(func, cells, w, b, stride, padding, dilation, groups, output_padding)
 
 
@@ -184,6 +195,7 @@ _TUNE_PIECES = 8         # the alternative: this many pieces of output rows,
 _TUNE_ROWS = 8           # none thinner than this many rows
 _TUNE_ROUNDS = 2         # each way timed this many times, after one run; the faster minimum wins
 _CHOICES: dict[tuple, tuple | None] = {}   # signature -> row_pieces' plan (None: whole)
+_TIMES: dict[tuple, tuple[float, float]] = {}  # signature -> this rank's (whole, pieces) minima
 _MAX_CHOICES = 1024  # a bound for programs whose shapes never repeat: emptied when reached
 _clock = time.perf_counter
 
@@ -213,35 +225,68 @@ def row_pieces(padding, out_shape, count: int, min_rows: int):
     return dim, [(int(a), int(c)) for a, c in zip(bounds[:-1], bounds[1:]) if c > a]
 
 
-def tuned_conv(func, cells, w, b, stride, padding, dilation, groups):
-    """Local. ``local_conv`` of a conv (not transposed), whole or in pieces of output
-    rows: on this rank's first call with this signature, each way runs once and is
-    then timed ``_TUNE_ROUNDS`` times, alternating, and the one with the smaller
-    minimum is kept (the last result is returned: the extra calls are the cost)."""
+def tuned_conv(func, cells, w, b, stride, padding, dilation, groups, agree=None):
+    """Local (collective over ``agree`` where given). ``local_conv`` of a conv (not
+    transposed), whole or in pieces of output rows: on this rank's first call with
+    this signature, each way runs once and is then timed ``_TUNE_ROUNDS`` times,
+    alternating, and the one with the smaller minimum is kept (the last result is
+    returned: the extra calls are the cost). With ``agree``, the ranks' minima
+    are reduced first (``_AGREED``) and every rank keeps the same way."""
     key = (tuple(cells.shape), tuple(cells.stride()), tuple(w.shape), b is None,
            tuple(stride), tuple(padding), tuple(dilation), groups)
     args = (func, cells, w, b, stride, padding, dilation, groups)
-    if key in _CHOICES:
+    if key in _CHOICES and agree is None:
         return _in_pieces(*args, _CHOICES[key])
     out_shape = [cells.shape[0], w.shape[0]] + [
         (n + 2 * p - d * (k - 1) - 1) // s + 1
         for n, k, s, p, d in zip(cells.shape[2:], w.shape[2:], stride, padding, dilation)]
     ways = [None, row_pieces(padding, out_shape, _TUNE_PIECES, _TUNE_ROWS)]
-    if ways[1] is None:
-        _CHOICES[key] = None
-        return _conv(*args)
-    times: list[list[float]] = [[], []]
-    for timed in [False] + [True] * _TUNE_ROUNDS:  # first, untimed: oneDNN builds its kernels
-        for way, took in zip(ways, times):
-            out = None  # the previous run's output freed first: one alive at a time
-            start = _clock()
-            out = _in_pieces(*args, way)
-            if timed:
-                took.append(_clock() - start)
+    out, minima = None, _TIMES.get(key, (0.0, 0.0))
+    if ways[1] is not None and key not in _TIMES:
+        times: list[list[float]] = [[], []]
+        for timed in [False] + [True] * _TUNE_ROUNDS:  # first, untimed: oneDNN builds its kernels
+            for way, took in zip(ways, times):
+                out = None  # the previous run's output freed first: one alive at a time
+                start = _clock()
+                out = _in_pieces(*args, way)
+                if timed:
+                    took.append(_clock() - start)
+        minima = (min(times[0]), min(times[1]))
     if len(_CHOICES) >= _MAX_CHOICES:
         _CHOICES.clear()
-    _CHOICES[key] = ways[min((0, 1), key=lambda i: min(times[i]))]
-    return out
+        _TIMES.clear()
+    if ways[1] is not None:
+        _TIMES[key] = minima  # this rank's own, for later agreements on this signature
+    if agree is not None:
+        minima = _slowest(minima, agree)
+    _CHOICES[key] = ways[1] if ways[1] is not None and minima[1] < minima[0] else None
+    if out is not None:
+        return out
+    return _conv(*args) if ways[1] is None else _in_pieces(*args, _CHOICES[key])
+
+
+def agree_on_nothing(agree) -> None:
+    """Collective over ``agree``. This rank's part in the ranks' choice of a conv
+    it does not tune (a small, empty or other-typed block): no times."""
+    _slowest((0.0, 0.0), agree)
+
+
+def _slowest(minima: tuple[float, float], comm) -> tuple[float, float]:
+    """Collective over ``comm``. Each way's largest minimum over the ranks."""
+    both = collectives.allreduce(np.array(minima, dtype=np.float64), comm, "max", check=False)
+    return float(both[0]), float(both[1])
+
+
+# _AGREED: each rank times its own block, and where the two ways come close, noise
+# decides, differently on different ranks: the rank that drew the slower way then
+# holds the others up at every exchange after the conv (2 ranks of a 128^3 UNet3d:
+# in one job of three the ranks chose differently for some convs, and one rank ran
+# 15-25 ms a step longer). So a sharded conv's first forward (every rank of the
+# grid calls it together) reduces the ranks' times by a MAX allreduce, each way's
+# slowest rank, and all keep the way whose slowest rank is faster. A rank that does
+# not tune the conv contributes zeros. Choices stay per local signature: where two
+# convs share one on some rank, the later agreement serves both there (either way
+# gives the same numbers).
 
 
 def _in_pieces(func, cells, w, b, stride, padding, dilation, groups, plan):
