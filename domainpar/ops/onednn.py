@@ -54,15 +54,16 @@ _DIRECT = getattr(torch, "mkldnn_convolution", None)
 def local_conv(func, cells, w, b, stride, padding, dilation, groups, output_padding=None,
                agree=None):
     """Local (collective over ``agree`` where given). torch's conv (or transposed
-    conv, given ``output_padding``) on this rank's cells, by oneDNN where torch would take its im2col path for the block
-    alone (see the module docstring). A conv calls torch's oneDNN kernel
-    directly (``_DIRECT``). Otherwise (a transposed conv, or a torch without that
-    entry): the size rule reads dims 2 and 3 only, so torch gets the block with
-    its spatial dims reordered (a view; weight and arguments reordered alike),
-    largest first, and the result is reordered back; where no order passes the
-    rule, a conv converts the block to oneDNN's own layout. A large float32 3-D
-    conv runs whole or in pieces of output rows, whichever ran faster the first
-    time this rank met its signature (``tuned_conv``).
+    conv, given ``output_padding``) on this rank's cells, by oneDNN where torch
+    would take its im2col path for the block alone (see the module docstring).
+    A conv calls torch's oneDNN kernel directly (``_DIRECT``). Otherwise (a
+    transposed conv, or a torch without that entry): the size rule reads dims 2
+    and 3 only, so torch gets the block with its spatial dims reordered (a view;
+    weight and arguments reordered alike), largest first, and the result is
+    reordered back; where no order passes the rule, a conv converts the block to
+    oneDNN's own layout. A large float32 3-D conv runs whole or in pieces of
+    output rows, whichever ran faster the first time this rank met its
+    signature (``tuned_conv``).
 
     ``agree``, a communicator, makes the call collective over it (every rank of
     it calls ``local_conv`` or ``agree_on_nothing`` together): the ranks choose
