@@ -281,8 +281,9 @@ def _slowest(minima: tuple[float, float], comm) -> tuple[float, float]:
 # _AGREED: each rank times its own block, and where the two ways come close, noise
 # decides, differently on different ranks: the rank that drew the slower way then
 # holds the others up at every exchange after the conv (2 ranks of a 128^3 UNet3d:
-# in one job of three the ranks chose differently for some convs, and one rank ran
-# 15-25 ms a step longer). So a sharded conv's first forward (every rank of the
+# in 6 training jobs of 7 the ranks chose differently for some convs, and in the two
+# `bench step` jobs that split the step, one rank's compute ran 18 and 25 ms a step
+# longer than the other's). So a sharded conv's first forward (every rank of the
 # grid calls it together) reduces the ranks' times by a MAX allreduce, each way's
 # slowest rank, and all keep the way whose slowest rank is faster. A rank that does
 # not tune the conv contributes zeros. Choices stay per local signature: where two
