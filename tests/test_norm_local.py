@@ -60,11 +60,18 @@ IDS = [f"{n}-{where.__name__}" for n, _, where in CASES]
 
 @pytest.fixture
 def no_moments(monkeypatch):
-    """The sharded-statistics path refused: its per-block moments raise (on every
-    rank alike, before any message)."""
+    """The sharded-statistics paths refused: their per-block moments raise (on
+    every rank alike, before any message), ``norm.moments`` and the group norm's
+    in C (``GroupNormRows``)."""
     def refused(*args, **kwargs):
         raise AssertionError("norm.moments called: the sharded-statistics path was taken")
+
+    class Refused:
+        @staticmethod
+        def apply(*args, **kwargs):
+            raise AssertionError("GroupNormRows called: the sharded-statistics path was taken")
     monkeypatch.setattr(norm, "moments", refused)
+    monkeypatch.setattr(norm, "GroupNormRows", Refused)
 
 
 @pytest.mark.parametrize("name,make,where", CASES, ids=IDS)

@@ -1,7 +1,8 @@
 """The C row loops (kernels/rowwise.c through ops/rowwise.py) against float64
 references and torch's ops: moments under a large offset, the two sums of a
 row pair, the affine map with and without its gradient term; rows of any
-length (none, one, not a multiple of the loops' unrolling or blocks); where
+length (none, one, not a multiple of the loops' unrolling or blocks); the
+group norm's per-group arithmetic against float64 torch formulas; where
 they apply and where torch's ops run instead; DOMAINPAR_NATIVE=0 and a
 missing library."""
 import os
@@ -79,6 +80,76 @@ def test_dots_long_row_of_one_sign():
     exact = (g.double() * x.double()).sum(1)
     assert sum_g.tolist() == [float(1 << 21)] * 2
     assert ((sum_gx - exact).abs() / exact).max() < 1e-6
+
+
+GROUP_CASES = [  # (samples, groups, per, cells per member; 0: a member without cells)
+    (1, 2, 2, (30, 30)), (2, 3, 1, (17, 0, 40)), (3, 1, 4, (5,)), (2, 2, 3, (0, 0))]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("affine", [True, False], ids=["affine", "no affine"])
+@pytest.mark.parametrize("samples,groups,per,cells", GROUP_CASES)
+def test_group_norm_arithmetic(dtype, affine, samples, groups, per, cells):
+    """The group norm's per-group math in C (``group_coefs``, ``group_grad_sums``,
+    ``group_grad_coefs``) against its formulas in float64 torch on the members'
+    rows of a group norm: members that hold no cells left out, offsets large
+    against the spread, weight and bias or neither."""
+    needs_library()
+    gen = torch.Generator().manual_seed(11)
+    ng, members = samples * groups, len(cells)
+    counts = torch.tensor([float(c * per) for c in cells], dtype=torch.float64)
+    live = counts > 0
+    stats = torch.zeros(members, 2, ng, dtype=torch.float64)
+    stats[:, 0] = 50 + torch.randn(members, ng, generator=gen, dtype=torch.float64)
+    stats[:, 1] = counts[:, None] * torch.rand(members, ng, generator=gen, dtype=torch.float64)
+    stats[~live] = 0
+    w = torch.randn(groups * per, generator=gen, dtype=torch.float64).to(dtype) if affine else None
+    b = torch.randn(groups * per, generator=gen, dtype=torch.float64).to(dtype) if affine else None
+    eps = 1e-5
+    mean, invstd, a, c = rowwise.group_coefs(stats, counts, groups, per, eps, w, b, dtype)
+
+    # float64 torch: Chan's combination of the live members, each row's a and c
+    n = counts.sum()
+    if n > 0:
+        m_i, q_i, n_i = stats[live, 0], stats[live, 1], counts[live][:, None]
+        want_mean = (n_i * m_i).sum(0) / n
+        want_m2 = (q_i + n_i * (m_i - want_mean) ** 2).sum(0)
+    else:
+        want_mean = want_m2 = torch.zeros(ng, dtype=torch.float64)
+    want_invstd = torch.rsqrt(want_m2 / max(float(n), 1.0) + eps)
+    torch.testing.assert_close(mean, want_mean, rtol=1e-13, atol=1e-13)
+    torch.testing.assert_close(invstd, want_invstd, rtol=1e-12, atol=0)
+    wd = torch.ones(groups * per, dtype=torch.float64) if w is None else w.double()
+    bd = torch.zeros(groups * per, dtype=torch.float64) if b is None else b.double()
+    by_row = want_invstd.reshape(samples, groups, 1)  # rows: (sample, group, channel)
+    want_a = (by_row * wd.reshape(1, groups, per)).reshape(-1)
+    want_c = (bd.reshape(1, groups, per) - want_mean.reshape(samples, groups, 1)
+              * want_a.reshape(samples, groups, per)).reshape(-1)
+    tol = {"rtol": 1e-6, "atol": 1e-5} if dtype == torch.float32 else {"rtol": 1e-12, "atol": 1e-11}
+    torch.testing.assert_close(a.double(), want_a, **tol)
+    torch.testing.assert_close(c.double(), want_c, **tol)
+
+    rows = ng * per
+    sg = torch.randn(rows, generator=gen, dtype=torch.float64)
+    sgx = torch.randn(rows, generator=gen, dtype=torch.float64)
+    ab = rowwise.group_grad_sums(sg, sgx, mean, groups, per, w, dtype)
+    w_rows = wd.repeat(samples)
+    mean_rows = mean.repeat_interleave(per)
+    want_ab = torch.stack([(w_rows * sg).reshape(ng, per).sum(1),
+                           (w_rows * (sgx - mean_rows * sg)).reshape(ng, per).sum(1)])
+    torch.testing.assert_close(ab, want_ab, rtol=1e-13, atol=1e-12)
+    a, c, bb, gw, gb = rowwise.group_grad_coefs(ab, mean, invstd, groups, per, w, int(n), sg,
+                                                sgx, dtype)
+    inv_n = 1 / max(float(n), 1.0)
+    k1 = -(invstd ** 3) * ab[1] * inv_n
+    k0 = -invstd * ab[0] * inv_n - k1 * mean
+    torch.testing.assert_close(a.double(), k1.repeat_interleave(per), **tol)
+    torch.testing.assert_close(c.double(), k0.repeat_interleave(per), **tol)
+    torch.testing.assert_close(bb.double(), invstd.repeat_interleave(per) * w_rows, **tol)
+    inv_rows = invstd.repeat_interleave(per)
+    torch.testing.assert_close(gw, (inv_rows * (sgx - mean_rows * sg)).reshape(samples, -1).sum(0),
+                               rtol=1e-13, atol=1e-12)
+    torch.testing.assert_close(gb, sg.reshape(samples, -1).sum(0), rtol=1e-13, atol=1e-12)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])

@@ -18,9 +18,13 @@ does:
   dx = coef * g + k1 * x + k0.
 
 Where the C row loops take the block (``rowwise.usable``: CPU, one torch
-thread) each of these is one pass: the forward map, both sums in one read of
-g and x, dx. Elsewhere torch's ops take two passes forward (``_AFFINE_PASSES``)
-and five backward (the product g * x is written out before its sum).
+thread), ``GroupNormRows`` runs the whole group norm instead, statistics
+included: each pass over the block is one C loop (the moments in two reads,
+the forward map, both sums in one read of g and x, dx), and so is the
+arithmetic on the few numbers per (sample, group) between them, in double.
+Elsewhere ``GroupAffine`` runs torch's ops, which take two passes forward
+(``_AFFINE_PASSES``) and five backward (the product g * x is written out
+before its sum), after ``norm.moments``.
 
 With n the group's cells over all ranks, r = invstd, w the channel's weight,
 A = sum(w g) and B = sum(w g (x - mean)) over the whole group:
@@ -30,13 +34,12 @@ for every parameter.
 """
 from __future__ import annotations
 
-import math
-
 import torch
 from mpi4py import MPI
 from torch.autograd.function import once_differentiable
 
 from .. import autograd as ag
+from ..comm import collectives
 from . import rowwise
 
 
@@ -87,7 +90,8 @@ class Affine(torch.autograd.Function):
 
 class GroupAffine(torch.autograd.Function):
     """Local forward; collective backward over ``comm`` (one allreduce) where
-    the input's gradient is needed, on every rank of ``comm`` alike.
+    the input's gradient is needed, on every rank of ``comm`` alike. torch's ops
+    (``GroupNormRows`` is the C loops' group norm).
 
     ``x`` is the block viewed as (N, G, C/G, cells), ``mean`` and ``invstd``
     (N, G, 1, 1) the statistics of the whole groups (constants here: their
@@ -103,9 +107,6 @@ class GroupAffine(torch.autograd.Function):
         ctx.save_for_backward(x, mean, invstd, weight)
         ctx.comm, ctx.count, ctx.has_bias = comm, count, bias is not None
         ctx.mark_dirty(out)
-        if rowwise.usable(x, out):  # one pass per (sample, channel) row
-            rows = x.shape[:3] + (1,)
-            return rowwise.affine(x, a.expand(rows), c.expand(rows), out)
         return torch.mul(x, a, out=out).add_(c)  # see _AFFINE_PASSES
 
     @staticmethod
@@ -113,21 +114,12 @@ class GroupAffine(torch.autograd.Function):
     def backward(ctx, g):
         x, mean, invstd, weight = ctx.saved_tensors
         need_x, _, _, need_w, need_b = ctx.needs_input_grad[:5]
-        g = g.contiguous()
-        rows = x.shape[:3] + (1,)  # one per (sample, channel)
-        native = rowwise.usable(g, x)
-        buf = None  # torch's product g * x, then dx
-        sgx: torch.Tensor | None
-        if native:  # both sums in one read of g and x
-            sg, sgx = (t.to(x.dtype).reshape(rows)
-                       for t in rowwise.dots(g, x, math.prod(x.shape[:3])))
-        else:
-            sg = g.sum(-1, keepdim=True)
-            buf = torch.empty_like(x) if need_x or need_w else None
-            sgx = None if buf is None else _row_dots(g, x, buf)
+        sg = g.sum(-1, keepdim=True)
+        buf = torch.empty_like(x) if need_x or need_w else None  # g * x, then dx
+        sgx = None if buf is None else _row_dots(g, x, buf)
         gx = gw = gb = None
         if need_x:
-            assert sgx is not None
+            assert sgx is not None and buf is not None  # made above whenever need_x
             w = 1.0 if weight is None else weight
             ab = torch.stack([(w * sg).sum(2, keepdim=True),
                               (w * (sgx - mean * sg)).sum(2, keepdim=True)])
@@ -136,18 +128,74 @@ class GroupAffine(torch.autograd.Function):
             inv_n = 1.0 / max(ctx.count, 1)
             k1 = -(invstd ** 3) * ab[1] * inv_n
             k0 = -invstd * ab[0] * inv_n - k1 * mean
-            if native:
-                gx = rowwise.affine(x, k1.expand(rows), k0.expand(rows), torch.empty_like(x),
-                                    g, (invstd * w).expand(rows))
-            else:
-                assert buf is not None  # made above whenever need_x
-                gx = torch.mul(x, k1, out=buf).add_(k0).addcmul_(g, invstd * w)  # _AFFINE_PASSES
+            gx = torch.mul(x, k1, out=buf).add_(k0).addcmul_(g, invstd * w)  # _AFFINE_PASSES
         if need_w:
             assert sgx is not None
             gw = (invstd * (sgx - mean * sg)).sum(0, keepdim=True)
         if need_b and ctx.has_bias:
             gb = sg.sum(0, keepdim=True)
         return gx, None, None, gw, gb, None, None, None
+
+
+class GroupNormRows(torch.autograd.Function):
+    """Collective over ``comm``: one allreduce forward, and one backward where the
+    input's gradient is needed, on every rank of ``comm`` alike. The group norm
+    of this rank's block ``x`` (N, C, cells...: contiguous float32 or float64 on
+    the CPU, ``rowwise.usable``) with the statistics of whole groups over the
+    blocks of ``comm``'s members; ``counts`` (float64, one per member) their
+    cells of one group, ``groups`` of ``per`` channels in the block (C = groups
+    * per, maybe 0), ``weight`` and ``bias`` (C,) of x's type or None.
+
+    Forward: each member's moments per (sample, group), exchanged as rows of a
+    zero buffer (adding zeros is exact: every rank combines the same bits),
+    combined by ``rowwise.group_coefs`` into each row's y = x * a + c. Backward:
+    the rows' sums of g and g * x, the groups' A and B summed over the members,
+    dx = x * a + c + g * b per row. Saves x (as torch's kernel does) and the
+    groups' float64 statistics."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, comm: MPI.Comm, counts: torch.Tensor, groups: int,
+                per: int, eps: float):
+        ng = x.shape[0] * groups
+        members, me = comm.Get_size(), comm.Get_rank()
+        stats = torch.zeros(members, 2, ng, dtype=torch.float64)
+        rowwise.moments(x, ng, stats[me, 0], stats[me, 1])
+        if members > 1:
+            collectives.allreduce(stats.numpy(), comm, "sum", check=False)
+        mean, invstd, a, c = rowwise.group_coefs(stats, counts, groups, per, eps,
+                                                 _detached(weight), _detached(bias), x.dtype)
+        ctx.save_for_backward(x, weight)
+        ctx.comm, ctx.groups, ctx.per, ctx.stats = comm, groups, per, (mean, invstd)
+        ctx.count, ctx.has_bias = float(counts.sum()), bias is not None
+        return rowwise.affine(x, a, c, torch.empty_like(x))
+
+    @staticmethod
+    @once_differentiable  # the allreduce inside is not: a second derivative raises
+    def backward(ctx, g):
+        x, weight = ctx.saved_tensors
+        need_x, need_w, need_b = ctx.needs_input_grad[:3]
+        g = g.to(x.dtype).contiguous()
+        mean, invstd = ctx.stats
+        groups, per, w = ctx.groups, ctx.per, _detached(weight)
+        rows = x.shape[0] * groups * per
+        sg, sgx = rowwise.dots(g, x, rows)
+        if need_x:
+            ab = rowwise.group_grad_sums(sg, sgx, mean, groups, per, w, x.dtype)
+            if ctx.comm.Get_size() > 1:
+                collectives.allreduce(ab.numpy(), ctx.comm, "sum", check=False)
+        else:  # only the parameters' gradients, this block's sums: no message
+            ab = torch.zeros(2, mean.numel(), dtype=torch.float64)
+        a, c, b, gw, gb = rowwise.group_grad_coefs(ab, mean, invstd, groups, per, w, ctx.count,
+                                                   sg, sgx, x.dtype)
+        gx = rowwise.affine(x, a, c, torch.empty_like(x), g, b) if need_x else None
+        gw = gw.to(weight.dtype) if need_w else None
+        gb = gb.to(weight.dtype if weight is not None else x.dtype) \
+            if need_b and ctx.has_bias else None
+        return gx, gw, gb, None, None, None, None, None
+
+
+def _detached(t: torch.Tensor | None) -> torch.Tensor | None:
+    return None if t is None else t.detach()
 
 
 # _AFFINE_PASSES: x * a + c for a block x and small per-(sample, channel) a and c is

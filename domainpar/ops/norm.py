@@ -39,7 +39,13 @@ its gradients from (x - mean), which stays exact under a large offset. A
 float32 or float64 group_norm instead takes steps 1-3 without a graph and
 fuses step 4 with its backward as torch's kernel does (``ops.affine``):
 no graph through the moments, fewer passes over the block than autograd's
-way, and one allreduce in backward.
+way, and one allreduce in backward. Where the C loops take the block
+(``rowwise.usable``: CPU, one torch thread) all of it runs in C,
+``GroupNormRows``: each pass over the block one loop, and steps 2-3's
+arithmetic and the backward's on the few numbers per (sample, group) in
+double, in place of a few dozen torch calls on tiny tensors (forward and
+backward of a 1x32x4x8x8 block of a group norm on 2 ranks: 273 us against 422
+with torch's ops; torch's kernel on the block alone, 92 us).
 
 Weight and bias are replicated and enter through ``enter_domain``: sliced to
 the block where their dim is sharded (channels of batch/instance/group norm,
@@ -87,7 +93,7 @@ from ..tensor.dispatch import UnsupportedOpError, op_name, register
 from ..tensor.domain_tensor import DomainTensor
 from ..tensor.params import enter_domain
 from . import rowwise, window
-from .affine import Affine, GroupAffine, opmath
+from .affine import Affine, GroupAffine, GroupNormRows, opmath
 from .common import bind, meta_call, signature, stand_in
 
 
@@ -398,6 +404,12 @@ def group_norm(func, args, kwargs):
     weight, bias = _channel_params(dec, w, b, nd)
     if plan.comm is None:
         return _on_block(func, local, dec, weight, bias, (plan.local_groups,), (eps,))
+    if _in_c(local, weight, bias):
+        counts = _float_counts(plan.counts)
+        flat = [None if p is None else p.reshape(-1) for p in (weight, bias)]
+        out = GroupNormRows.apply(local, *flat, plan.comm, counts, plan.local_groups,
+                                  plan.view_shape[2], eps)
+        return DomainTensor(out, dec)
     if local.dtype in (torch.float32, torch.float64):
         return DomainTensor(_fused_groups(local, plan, eps, weight, bias), dec)
     # (N, G, C/G, spatial...): statistics per (sample, group) over dims 2.. of the view.
@@ -408,10 +420,24 @@ def group_norm(func, args, kwargs):
     return DomainTensor(out.reshape(local.shape), dec)
 
 
+def _in_c(local: torch.Tensor, weight, bias) -> bool:
+    """Local. Whether ``GroupNormRows`` takes the block: the C loops take it
+    (``rowwise.usable``) and the parameters, where given, are of its type."""
+    return rowwise.usable(local) and all(
+        p is None or (p.dtype == local.dtype and p.device.type == "cpu") for p in (weight, bias))
+
+
+@functools.lru_cache(maxsize=256)
+def _float_counts(counts: tuple[int, ...]) -> torch.Tensor:
+    """Local. A layout's member counts as a float64 tensor (``GroupNormRows``)."""
+    return torch.tensor(counts, dtype=torch.float64)
+
+
 def _fused_groups(local, plan: _GroupPlan, eps, weight, bias) -> torch.Tensor:
-    """Collective over ``plan.comm``. Group norm of a float32 or float64 block: the
-    groups' statistics by ``moments`` (no graph: ``GroupAffine``'s backward holds
-    their dependence on the block), then ``GroupAffine``."""
+    """Collective over ``plan.comm``. Group norm of a float32 or float64 block with
+    torch's ops (where ``GroupNormRows`` does not take it): the groups'
+    statistics by ``moments`` (no graph: ``GroupAffine``'s backward holds their
+    dependence on the block), then ``GroupAffine``."""
     assert plan.comm is not None  # the caller took the block-statistics path otherwise
     n, g, per = plan.view_shape[:3]
     view = local.reshape(n, g, per, math.prod(local.shape[2:]))
