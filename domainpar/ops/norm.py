@@ -44,8 +44,8 @@ way, and one allreduce in backward. Where the C loops take the block
 ``GroupNormRows``: each pass over the block one loop, and steps 2-3's
 arithmetic and the backward's on the few numbers per (sample, group) in
 double, in place of a few dozen torch calls on tiny tensors (forward and
-backward of a 1x32x4x8x8 block of a group norm on 2 ranks: 273 us against 422
-with torch's ops; torch's kernel on the block alone, 92 us).
+backward of a 1x32x4x8x8 block of a group norm on 2 ranks: 262 us against 434
+with torch's ops; torch's kernel on the block alone, 85-93 us; torch 2.13).
 
 Weight and bias are replicated and enter through ``enter_domain``: sliced to
 the block where their dim is sharded (channels of batch/instance/group norm,
