@@ -24,6 +24,7 @@
  *
  * Rows (sample, channel) of a group are consecutive: row k * per + j is channel
  * (k % groups) * per + j of sample k / groups, for (sample, group) k.
+ *
  * Sums go in blocks of DP_BLOCK elements over eight independent partial sums of
  * the element type (the compiler keeps them in vector registers), and the blocks'
  * sums are added in double: the error of a row of 2^21 float32 values is ~1e-9 of

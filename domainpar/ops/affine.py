@@ -143,8 +143,9 @@ class GroupNormRows(torch.autograd.Function):
     of this rank's block ``x`` (N, C, cells...: contiguous float32 or float64 on
     the CPU, ``rowwise.usable``) with the statistics of whole groups over the
     blocks of ``comm``'s members; ``counts`` (float64, one per member) their
-    cells of one group, ``groups`` of ``per`` channels in the block (C = groups
-    * per, maybe 0), ``weight`` and ``bias`` (C,) of x's type or None.
+    cells of one group, ``count`` the sum of those, ``groups`` of ``per``
+    channels in the block (C = groups * per, maybe 0), ``weight`` and ``bias``
+    (C,) of x's type or None.
 
     Forward: each member's moments per (sample, group), exchanged as rows of a
     zero buffer (adding zeros is exact: every rank combines the same bits),
@@ -154,8 +155,8 @@ class GroupNormRows(torch.autograd.Function):
     groups' float64 statistics."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, comm: MPI.Comm, counts: torch.Tensor, groups: int,
-                per: int, eps: float):
+    def forward(ctx, x, weight, bias, comm: MPI.Comm, counts: torch.Tensor, count: float,
+                groups: int, per: int, eps: float):
         ng = x.shape[0] * groups
         members, me = comm.Get_size(), comm.Get_rank()
         stats = torch.zeros(members, 2, ng, dtype=torch.float64)
@@ -166,7 +167,7 @@ class GroupNormRows(torch.autograd.Function):
                                                  _detached(weight), _detached(bias), x.dtype)
         ctx.save_for_backward(x, weight)
         ctx.comm, ctx.groups, ctx.per, ctx.stats = comm, groups, per, (mean, invstd)
-        ctx.count, ctx.has_bias = float(counts.sum()), bias is not None
+        ctx.count, ctx.has_bias = count, bias is not None
         return rowwise.affine(x, a, c, torch.empty_like(x))
 
     @staticmethod
@@ -188,10 +189,9 @@ class GroupNormRows(torch.autograd.Function):
         a, c, b, gw, gb = rowwise.group_grad_coefs(ab, mean, invstd, groups, per, w, ctx.count,
                                                    sg, sgx, x.dtype)
         gx = rowwise.affine(x, a, c, torch.empty_like(x), g, b) if need_x else None
-        gw = gw.to(weight.dtype) if need_w else None
-        gb = gb.to(weight.dtype if weight is not None else x.dtype) \
-            if need_b and ctx.has_bias else None
-        return gx, gw, gb, None, None, None, None, None
+        gw = gw.to(x.dtype) if need_w else None  # weight: x's type (norm._in_c)
+        gb = gb.to(x.dtype) if need_b and ctx.has_bias else None  # bias: x's type
+        return gx, gw, gb, None, None, None, None, None, None
 
 
 def _detached(t: torch.Tensor | None) -> torch.Tensor | None:

@@ -405,9 +405,9 @@ def group_norm(func, args, kwargs):
     if plan.comm is None:
         return _on_block(func, local, dec, weight, bias, (plan.local_groups,), (eps,))
     if _in_c(local, weight, bias):
-        counts = _float_counts(plan.counts)
         flat = [None if p is None else p.reshape(-1) for p in (weight, bias)]
-        out = GroupNormRows.apply(local, *flat, plan.comm, counts, plan.local_groups,
+        out = GroupNormRows.apply(local, *flat, plan.comm, _float_counts(plan.counts),
+                                  float(sum(plan.counts)), plan.local_groups,
                                   plan.view_shape[2], eps)
         return DomainTensor(out, dec)
     if local.dtype in (torch.float32, torch.float64):

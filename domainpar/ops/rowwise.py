@@ -161,7 +161,7 @@ def group_grad_sums(sg: torch.Tensor, sgx: torch.Tensor, mean: torch.Tensor, gro
 
 
 def group_grad_coefs(ab: torch.Tensor, mean: torch.Tensor, invstd: torch.Tensor, groups: int,
-                     per: int, w: torch.Tensor | None, count: int, sg: torch.Tensor,
+                     per: int, w: torch.Tensor | None, count: float, sg: torch.Tensor,
                      sgx: torch.Tensor, dtype: torch.dtype):
     """Local. From ``ab`` summed over the members (``group_grad_sums``), each row's
     input-gradient coefficients (a, c, b) in ``dtype``, dx = x * a + c + g * b,
