@@ -316,6 +316,41 @@ def test_blocks_take_onednn_where_torch_would_take_im2col(transposed):
     assert_matches_single_process(model, x, grid, shard, sizes=sizes)
 
 
+@pytest.mark.parametrize("kind", ("even", "uneven", "zero"))
+def test_whole_blocks_take_the_local_kernel_choice(kind, monkeypatch):
+    """A float32 3-D conv of blocks with every spatial dim whole (the batch dim
+    sharded) takes the local call's kernel choice as a sharded block does (torch
+    alone would run these thin batch-1 blocks by im2col), with no ghost cells;
+    float64 and an asymmetric 'same' stay torch's op on the block. All match one
+    process."""
+    from domainpar.ops import conv as conv_ops
+    calls = []
+    local_conv = conv_ops.local_conv
+
+    def counted(func, cells, *args, **kwargs):
+        calls.append(tuple(cells.shape))
+        return local_conv(func, cells, *args, **kwargs)
+    monkeypatch.setattr(conv_ops, "local_conv", counted)
+    shape = (3, 4, 9, 8, 7)
+    grid, shard, sizes = layout(shape, (0,), 1, kind)
+    torch.manual_seed(7)
+    for dtype in (torch.float64, torch.float32):
+        model = nn.Sequential(nn.Conv3d(4, 4, 3, padding=1), nn.GELU(),
+                              nn.Conv3d(4, 2, 3, stride=2, dilation=(1, 2, 1))).to(dtype)
+        calls.clear()
+        assert_matches_single_process(model, global_tensor(shape, dtype, seed=8), grid, shard,
+                                      sizes=sizes)
+        if dtype == torch.float64:
+            assert calls == []
+        else:
+            assert len(calls) >= 2 and all(c[1:] == (4, 9, 8, 7) for c in calls), calls
+    calls.clear()
+    even = nn.Conv3d(4, 2, 2, padding="same")  # float32, pads 0 before and 1 after
+    assert_matches_single_process(even, global_tensor(shape, torch.float32, seed=9), grid, shard,
+                                  sizes=sizes)
+    assert calls == []
+
+
 def test_blocks_no_order_helps_take_onednn_layout():
     """A float32 3-D block that no reordering gets past torch's size rule goes to
     oneDNN in its own tensor layout: same numbers as one process."""
