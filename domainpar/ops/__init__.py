@@ -3,6 +3,7 @@ the dispatch table (``domainpar.tensor.dispatch``)."""
 from . import (  # noqa: F401  # noqa: F401  # noqa: F401  # noqa: F401
     attention,  # noqa: F401
     conv,
+    conv_transpose,
     dropout,
     einsum,
     fft,

@@ -21,6 +21,9 @@ BEGIN, END = "<!-- op-table:begin -->", "<!-- op-table:end -->"
 FAMILIES = ("attention", "conv", "dropout", "einsum", "fft", "index", "interop", "linear", "loss",
             "norm", "pad", "pointwise", "points", "pool", "reduce", "resample", "shape")
 
+# Modules whose rules belong to another module's family in the table.
+_FAMILY_OF = {"conv_transpose": "conv"}
+
 
 def _base_name(func) -> str:
     """The op's name without its spelling: ``Tensor.add_``, ``torch.add`` and
@@ -53,7 +56,7 @@ def rows() -> list[tuple[str, str, str]]:
     for rule, names in by_rule.items():
         # ops/<family>.py, or a package of its own beside ops/ (points/rules.py)
         package, module = rule.__module__.split(".")[1:3]
-        family = module if package == "ops" else package
+        family = _FAMILY_OF.get(module, module) if package == "ops" else package
         if family not in FAMILIES:
             continue  # the tensor protocol (metadata, conversions, backward): not ops
         out.append((family, ", ".join(f"`{n}`" for n in sorted(names)), _summary(rule)))

@@ -76,7 +76,7 @@ def plan_axis(first: npt.ArrayLike, last: npt.ArrayLike, anchor: npt.ArrayLike |
     """The plan for one dim from the per-output arrays (module docstring) and the
     input block sizes along it. ``starts[c]``, the first output of coordinate
     ``c``, is derived from ``anchor``, or given instead of it where ownership is
-    known beforehand (the transposed conv: see ``ops/conv.transposed_plan``)."""
+    known beforehand (the transposed conv: see ``ops/conv_transpose.transposed_plan``)."""
     firsts, lasts = np.asarray(first, np.int64), np.asarray(last, np.int64)
     sizes = [int(s) for s in in_sizes]
     in_offsets = np.concatenate(([0], np.cumsum(sizes)[:-1])).astype(np.int64)
