@@ -1,5 +1,5 @@
-"""Convolutions and transposed convolutions, 1-, 2- and 3-D, on inputs sharded
-along the batch dim and any spatial dims.
+"""Convolutions, 1-, 2- and 3-D, on inputs sharded along the batch dim and any
+spatial dims (transposed convolutions: ``ops/conv_transpose.py``).
 
 - conv: every rank fills ghost cells around its block (a halo fill, zero
   padding outside the domain, also on a periodic grid) and runs torch's conv on
