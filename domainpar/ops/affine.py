@@ -163,8 +163,8 @@ class GroupNormRows(torch.autograd.Function):
         rowwise.moments(x, ng, stats[me, 0], stats[me, 1])
         if members > 1:
             collectives.allreduce(stats.numpy(), comm, "sum", check=False)
-        mean, invstd, a, c = rowwise.group_coefs(stats, counts, groups, per, eps,
-                                                 _detached(weight), _detached(bias), x.dtype)
+        mean, invstd, a, c = rowwise.group_coefs(stats, counts, groups, per, eps, weight, bias,
+                                                 x.dtype)
         ctx.save_for_backward(x, weight)
         ctx.comm, ctx.groups, ctx.per, ctx.stats = comm, groups, per, (mean, invstd)
         ctx.count, ctx.has_bias = count, bias is not None
@@ -177,7 +177,7 @@ class GroupNormRows(torch.autograd.Function):
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
         g = g.to(x.dtype).contiguous()
         mean, invstd = ctx.stats
-        groups, per, w = ctx.groups, ctx.per, _detached(weight)
+        groups, per, w = ctx.groups, ctx.per, weight
         rows = x.shape[0] * groups * per
         sg, sgx = rowwise.dots(g, x, rows)
         if need_x:
@@ -192,10 +192,6 @@ class GroupNormRows(torch.autograd.Function):
         gw = gw.to(x.dtype) if need_w else None  # weight: x's type (norm._in_c)
         gb = gb.to(x.dtype) if need_b and ctx.has_bias else None  # bias: x's type
         return gx, gw, gb, None, None, None, None, None, None
-
-
-def _detached(t: torch.Tensor | None) -> torch.Tensor | None:
-    return None if t is None else t.detach()
 
 
 # _AFFINE_PASSES: x * a + c for a block x and small per-(sample, channel) a and c is

@@ -418,10 +418,9 @@ def group_norm(func, args, kwargs):
 
 
 def _in_c(local: torch.Tensor, weight, bias) -> bool:
-    """Local. Whether ``GroupNormRows`` takes the block: the C loops take it
-    (``rowwise.usable``) and the parameters, where given, are of its type."""
-    return rowwise.usable(local) and all(
-        p is None or (p.dtype == local.dtype and p.device.type == "cpu") for p in (weight, bias))
+    """Local. Whether ``GroupNormRows`` takes the block: the C loops take it and
+    the parameters given (``rowwise.usable``: of its type, on the CPU, contiguous)."""
+    return rowwise.usable(local, *(p for p in (weight, bias) if p is not None))
 
 
 @functools.lru_cache(maxsize=256)

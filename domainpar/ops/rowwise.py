@@ -84,6 +84,11 @@ def _run(kind: str, dtype: torch.dtype, *args, kind_prefix: str = "row") -> None
     _SECONDS[0] += time.perf_counter() - start
 
 
+def _ptr(t: torch.Tensor | None):
+    """A tensor's address for C, or None (NULL)."""
+    return None if t is None else t.data_ptr()
+
+
 def _length(x: torch.Tensor, rows: int) -> int:
     return x.numel() // rows if rows else 0
 
@@ -121,13 +126,9 @@ def affine(x: torch.Tensor, a: torch.Tensor, c: torch.Tensor, out: torch.Tensor,
     n = _length(x, rows)
     a, c = (t.to(x.dtype).contiguous() for t in (a, c))
     b = None if b is None else b.to(x.dtype).contiguous()
-    _run("affine", x.dtype, x.data_ptr(), None if g is None else g.data_ptr(), out.data_ptr(),
-         rows, n, a.data_ptr(), c.data_ptr(), None if b is None else b.data_ptr())
+    _run("affine", x.dtype, x.data_ptr(), _ptr(g), out.data_ptr(), rows, n, a.data_ptr(),
+         c.data_ptr(), _ptr(b))
     return out
-
-
-def _ptr(t: torch.Tensor | None):
-    return None if t is None else t.data_ptr()
 
 
 def group_coefs(stats: torch.Tensor, counts: torch.Tensor, groups: int, per: int, eps: float,
