@@ -225,6 +225,35 @@ def test_repartition_adjoint(grid_ndim, seed):
     assert_close(_vjp(f, x, y), _block(src, seed + 1), rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("grid_ndim", (1, 2, 3))
+def test_repartition_between_layouts_of_the_same_blocks_moves_nothing(grid_ndim):
+    """Where every rank holds the same cells under both layouts (a dim cut over a
+    grid axis of one process is whole, like one not cut), ``ag.repartition`` hands
+    the block back as it is; where any rank's cells differ, it moves them. Both by
+    ``Decomposition.same_blocks``, checked against every rank's slices."""
+    dims = MPI.Compute_dims(COMM.Get_size(), grid_ndim)
+    grid = dp.ProcessGrid(list(dims)[::-1])
+    one = [a for a in range(grid_ndim) if grid.dims[a] == 1]
+    many = [a for a in range(grid_ndim) if grid.dims[a] > 1]
+    shape = (5, 6, 7)
+    whole = dp.Decomposition(shape, grid, {})
+    pairs = [(whole, whole, True)]
+    if one:
+        pairs.append((whole, dp.Decomposition(shape, grid, {1: one[0]}), True))
+    if many:
+        cut = dp.Decomposition(shape, grid, {2: many[0]})
+        pairs += [(whole, cut, False),
+                  (cut, dp.Decomposition(shape, grid, {2: many[0]}, {2: [7] + [0] * (
+                      grid.dims[many[0]] - 1)}), False)]
+    for src, dst, same in pairs:
+        slices_agree = all(src.local_slices(r) == dst.local_slices(r) for r in range(grid.size))
+        assert src.same_blocks(dst) == dst.same_blocks(src) == same == slices_agree
+        x = _block(src, 3).requires_grad_()
+        out = ag.repartition(x, src, dst)
+        assert (out is x) == same
+        assert_close(out, _block(dst, 3), rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("grid_ndim,seed", CASES[:6])
 def test_repartition_of_strided_blocks_and_gradients(grid_ndim, seed):
     """Repartition packs straight out of a strided block (a transposed view, a

@@ -84,8 +84,9 @@ def shard(replicated: torch.Tensor, dec: Decomposition) -> torch.Tensor:
 
 
 def repartition(block: torch.Tensor, src: Decomposition, dst: Decomposition) -> torch.Tensor:
-    """Collective. ``block`` moved from layout ``src`` to layout ``dst``."""
-    if src == dst:
+    """Collective. ``block`` moved from layout ``src`` to layout ``dst`` (no message
+    and no copy where every rank holds the same cells under both)."""
+    if src.same_blocks(dst):
         return block
     out: torch.Tensor = Repartition.apply(block, src, dst)
     return out

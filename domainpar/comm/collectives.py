@@ -10,6 +10,7 @@ operation's result is one (allgatherv, gatherv on the root).
 """
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any, TypeAlias, TypeVar
 
@@ -391,10 +392,12 @@ def repartition(block: Any, src: Decomposition, dst: Decomposition) -> Array:
     return out
 
 
+@functools.lru_cache(maxsize=1024)
 def _repartition_plan(src: Decomposition, dst: Decomposition,
                       itemsize: int) -> tuple[_Plan, _Plan]:
     """Index math of a repartition, for this rank: (boxes, byte counts, byte
-    displacements) of what it sends, in rank order, and of what it receives."""
+    displacements) of what it sends, in rank order, and of what it receives.
+    Cached (half the cost of a small repartition); callers do not change it."""
     grid, in_dst = src.grid, src.grid.ranks_in(dst.grid)  # ranks of src's grid, in dst's
     me, reps = grid.coords, src.replicated_axes
     mine_src, mine_dst = src.local_slices(), dst.local_slices()

@@ -8,6 +8,7 @@ a decomposition the same way on every rank).
 from __future__ import annotations
 
 import bisect
+import functools
 import itertools
 import math
 from collections.abc import Mapping, Sequence
@@ -366,6 +367,15 @@ class Decomposition:
                 coords[self.shard[dim]] = c
         return self.grid.comm.Get_cart_rank(coords)
 
+    def same_blocks(self, other: Decomposition) -> bool:
+        """Local. Whether every rank of the grid holds the same cells under both
+        layouts (a dim cut over a grid axis of one process is whole, as is one
+        not cut): then moving a block from one to the other moves nothing."""
+        if self == other:
+            return True
+        return (self.grid is other.grid and self.global_shape == other.global_shape
+                and _same_blocks(self, other))
+
     def __eq__(self, other: object) -> bool:
         if self is other:
             return True
@@ -383,3 +393,8 @@ class Decomposition:
         sizes = {d: list(s) for d, s in self._sizes.items()}
         return (f"Decomposition(global_shape={self.global_shape}, grid dims={self.grid.dims}, "
                 f"shard={self.shard}, sizes={sizes})")
+
+
+@functools.lru_cache(maxsize=4096)
+def _same_blocks(a: Decomposition, b: Decomposition) -> bool:
+    return all(a.local_slices(r) == b.local_slices(r) for r in range(a.grid.size))
