@@ -351,6 +351,36 @@ def test_whole_blocks_take_the_local_kernel_choice(kind, monkeypatch):
     assert calls == []
 
 
+@pytest.mark.parametrize("kind,grid_ndim", [(k, g) for k in ("even", "uneven", "zero")
+                                             for g in (1, 2)])
+def test_a_kernel_that_reaches_no_neighbour_runs_on_the_block(kind, grid_ndim, monkeypatch):
+    """A conv whose kernel is 1 wide, stride 1 and unpadded along every sharded dim
+    (a 1x1 conv; any kernel along whole dims) is torch's op on the block: no
+    HaloConv, no exchange; but where a block is empty (torch refuses it). A stride
+    of 2 there still needs the windowed path. All match one process."""
+    from domainpar.ops import conv as conv_ops
+    windowed = []
+    halo_conv = conv_ops.HaloConv.apply
+
+    def counted(*args):
+        windowed.append(1)
+        return halo_conv(*args)
+    monkeypatch.setattr(conv_ops.HaloConv, "apply", counted)
+    shape = (2, 4, 9, 8)
+    grid, shard, sizes = layout(shape, (2, 0), grid_ndim, kind)
+    empty = 0 in shard_like(global_tensor(shape), grid, shard, sizes).decomposition.block_sizes(2)
+    torch.manual_seed(3)
+    for dtype in (torch.float64, torch.float32):
+        model = nn.Sequential(nn.Conv2d(4, 6, 1), nn.GELU(), nn.Conv2d(6, 2, (1, 3), padding=(0, 1)))
+        assert_matches_single_process(model.to(dtype), global_tensor(shape, dtype, seed=4), grid,
+                                      shard, sizes=sizes)
+        assert (windowed == []) != empty, windowed
+        windowed.clear()
+    strided = nn.Conv2d(4, 2, 1, stride=2).double()
+    assert_matches_single_process(strided, global_tensor(shape, seed=5), grid, shard, sizes=sizes)
+    assert len(windowed) == 1
+
+
 def test_blocks_no_order_helps_take_onednn_layout():
     """A float32 3-D block that no reordering gets past torch's size rule goes to
     oneDNN in its own tensor layout: same numbers as one process."""

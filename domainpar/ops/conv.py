@@ -78,8 +78,8 @@ def enter_params(weight, bias, out_dec):
 
 
 def whole_blocks(func, x: DomainTensor, weight, bias, out_dec, *options):
-    """Collective (``enter_params``). No spatial dim is sharded: torch's op runs
-    on the block as it is (conv and transposed conv)."""
+    """Collective (``enter_params``). No sharded spatial dim needs ghost cells:
+    torch's op runs on the block as it is (conv and transposed conv)."""
     w, b = enter_params(weight, bias, out_dec)
     return DomainTensor(func(x._local, w, b, *options), out_dec)
 
@@ -173,8 +173,8 @@ def _first_forward(key, dec):
 def _conv_plan(func, x: DomainTensor, weight, bias, options: tuple, nsp: int) -> _ConvPlan:
     """Local. torch's own checks and output shape (from global shapes on the meta
     device, on every rank alike), the output layout, and the HaloConv spec (no
-    ghost cells where no spatial dim is sharded: a float32 3-D conv then still
-    gets the local call's kernel choice)."""
+    ghost cells where no sharded spatial dim needs any: a float32 3-D conv then
+    still gets the local call's kernel choice)."""
     stride_a, padding_a, dilation_a, groups = options
     out_shape = tuple(func(_meta(x), _meta(weight), _meta(bias), *options).shape)
     dec = x._dec
@@ -182,7 +182,11 @@ def _conv_plan(func, x: DomainTensor, weight, bias, options: tuple, nsp: int) ->
     stride, dilation = per_dim(stride_a, nsp), per_dim(dilation_a, nsp)
     kernel = tuple(weight.shape[2:])
     pads = padding_pairs(padding_a, kernel, dilation, nsp)
-    if not spatial:
+    # A sharded dim that the kernel does not reach across (size 1, stride 1, no
+    # padding: a 1x1 conv) keeps its blocks: the block's conv is the answer there
+    # (torch refuses an empty one: the windowed path takes a layout that has one).
+    if all(kernel[d - 2] == 1 and stride[d - 2] == 1 and pads[d - 2] == (0, 0)
+           and min(dec.block_sizes(d)) > 0 for d in spatial):
         out_dec = window.out_layout(dec, out_shape)
         if nsp != 3 or x.dtype != torch.float32 or any(lo != hi for lo, hi in pads):
             return _ConvPlan(out_dec)  # torch's op on the block as it is
