@@ -93,10 +93,11 @@ import torch
 
 from .. import autograd as ag
 from ..comm.decomposition import Decomposition
-from ..tensor import layout
+from ..tensor import aliasing, layout
+from ..tensor.deferred import Deferred
 from ..tensor.dispatch import UnsupportedOpError, op_name, register
 from ..tensor.domain_tensor import DomainTensor
-from . import index, window
+from . import index, pad, window
 from .common import bind, normalize_dims
 
 
@@ -184,36 +185,41 @@ def _transformed(dec: Decomposition, out_sizes: dict[int, int]) -> Decomposition
     return layout.derive(dec, shape, dec.shard, sizes)
 
 
-def _plan(func, dec: Decomposition, dims, lengths, out_lengths, kind) -> list[_Phase]:
+def _plan(func, dec: Decomposition, dims, lengths, out_lengths, kind,
+          done: tuple[int, ...] = (), split: bool = False) -> list[_Phase]:
     """The phases of a transform over ``dims`` (torch's order; the half dim last)
     with input lengths ``lengths`` (c2r: output lengths) and output sizes
-    ``out_lengths``."""
+    ``out_lengths``; ``done``: dims an earlier part of the call transformed;
+    ``split``: the half dim in a phase of its own (module docstring, "Slices of
+    a spectrum")."""
     length = dict(zip(dims, lengths))
     out_length = dict(zip(dims, out_lengths))
     half = dims[-1] if kind else None
     pending, phases = list(dims), []
-    done: list[int] = []
+    finished = list(done)
     while pending:
         src = None
         if kind == "r2c" and half is not None and half in pending:
             if not _local(dec, half):
-                src = dec = _moved(dec, half, _target(func, dec, half, done, pending))
-            group = [d for d in pending if d != half and _local(dec, d)] + [half]
+                src = dec = _moved(dec, half, _target(func, dec, half, finished, pending))
+            group = [half] if split else \
+                [d for d in pending if d != half and _local(dec, d)] + [half]
         elif all(_local(dec, d) for d in pending):
-            group = list(pending)
+            group = [d for d in pending if d != half] if split and kind == "c2r" and \
+                len(pending) > 1 else list(pending)
         else:
             full = [d for d in pending if d != half]
             group = [d for d in full if _local(dec, d)]
             if not group:
                 d = full[0] if full else half
                 assert d is not None  # only the half dim is left
-                src = dec = _moved(dec, d, _target(func, dec, d, done, pending))
+                src = dec = _moved(dec, d, _target(func, dec, d, finished, pending))
                 group = [d]
         dst = _transformed(dec, {d: out_length[d] for d in group})
         phases.append(_Phase(src, tuple(group), tuple(length[d] for d in group),
                              half in group, dst))
         dec = dst
-        done += group
+        finished += group
         pending = [d for d in pending if d not in group]
     return phases
 
@@ -257,22 +263,22 @@ def fft(func, args, kwargs):
     probe = func(torch.empty(x.shape, dtype=x.dtype, device="meta"), **a)
     fam = _FAMILIES[family]
     dims, lengths, out_lengths = _dims_and_lengths(x, form, a, fam.kind, tuple(probe.shape))
+    x = _unpadded(x, dims)
+    # the r2c dim alone first, so that a slice can narrow it before the others; the
+    # c2r dim alone last where its input is narrower than its half spectrum (torch
+    # would pad it first and transform the other dims over the zeros too)
+    split = fam.kind == "r2c" or (fam.kind == "c2r" and
+                                  x.shape[dims[-1]] < lengths[-1] // 2 + 1)
     local, dec = x._local, x._dec
-    phases, start = _phases(func, dec, dims, lengths, out_lengths, fam.kind)
+    phases, start = _phases(func, dec, dims, lengths, out_lengths, fam.kind, split)
     if start is not None:
         local, dec = ag.repartition(local, dec, start), start
-    for phase in phases:
-        if phase.src is not None:
-            local = ag.repartition(local, dec, phase.src)
-        call = fam.half if phase.half else fam.full
-        options = dict(s=phase.lengths, dim=phase.dims, norm=a["norm"])
-        if local.numel():
-            local = call(local, **options)
-        else:  # torch's FFT backends refuse empty blocks; the graph must still be built
-            meta = call(torch.empty(local.shape, dtype=local.dtype, device="meta"), **options)
-            like = torch.empty((), dtype=meta.dtype, device=local.device)
-            local = window.placeholder(meta.shape, like, local)
-        dec = phase.dst
+    moves = [k for k, phase in enumerate(phases) if phase.src is not None]
+    head = moves[0] if moves else 1  # the phases before the first transpose
+    if start is None and 0 < head < len(phases) and fam.kind != "c2r":
+        return _deferred(func, fam, a["norm"], (local, dec), phases[:head], phases[head:],
+                         (dims, lengths, out_lengths, probe.dtype))
+    local, dec = _run(fam, a["norm"], local, dec, phases)
     if start is not None:  # back to the input's grid and cut dims, balanced
         xd = x._dec
         back = layout.derive(xd, dec.global_shape, xd.shard,
@@ -281,15 +287,95 @@ def fft(func, args, kwargs):
     return DomainTensor(local, dec)
 
 
-def _phases(func, dec: Decomposition, dims, lengths, out_lengths, kind):
+def _run(fam: _Family, norm, local: torch.Tensor, dec: Decomposition, phases):
+    """Collective (the phases' repartitions). The block and layout after ``phases``."""
+    for phase in phases:
+        if phase.src is not None:
+            local = ag.repartition(local, dec, phase.src)
+        call = fam.half if phase.half else fam.full
+        options = dict(s=phase.lengths, dim=phase.dims, norm=norm)
+        if local.numel():
+            local = call(local, **options)
+        else:  # torch's FFT backends refuse empty blocks; the graph must still be built
+            meta = call(torch.empty(local.shape, dtype=local.dtype, device="meta"), **options)
+            like = torch.empty((), dtype=meta.dtype, device=local.device)
+            local = window.placeholder(meta.shape, like, local)
+        dec = phase.dst
+    return local, dec
+
+
+def _deferred(func, fam: _Family, norm, start, head, tail, call) -> Deferred:
+    """The transform's result as a Deferred: ``head`` (local phases) runs now, ``tail``
+    (from the first transpose on) at first use, or only for what a slice takes
+    (module docstring, "Slices of a spectrum")."""
+    dims, lengths, out_lengths, dtype = call
+    local, dec = _run(fam, norm, start[0], start[1], head)
+    done = tuple(d for phase in head for d in phase.dims)
+    rest = [k for k, d in enumerate(dims) if d not in done]
+    # the r2c dim goes in the first phase; the c2r dim in the last
+    left = (tuple(dims[k] for k in rest), tuple(lengths[k] for k in rest),
+            tuple(out_lengths[k] for k in rest), None if fam.kind == "r2c" else fam.kind)
+    cache: dict = {}
+
+    def take(whole: Deferred, key) -> DomainTensor | None:
+        return _take(func, fam, norm, (local, dec), done, left, cache, whole, key)
+
+    return Deferred(tail[-1].dst, dtype, local.device,
+                    lambda: _run(fam, norm, local, dec, tail)[0], take)
+
+
+def _take(func, fam: _Family, norm, start, done, left, cache, whole: Deferred, key):
+    """``whole[key]``, where ``whole`` is the Deferred of a transform whose phases
+    after ``done`` are still to run: the slices of the dims it no longer transforms
+    go first, and only what they keep travels; None where nothing is sliced there
+    (or a plan on the slices is refused: the whole spectrum then answers)."""
+    dims, lengths, out_lengths, kind = left
+    shape = whole._dec.global_shape
+    per = index.slices_of(torch.Tensor.__getitem__, key, shape)
+    if per is None:
+        return None
+    first = {d: s for d, s in enumerate(per) if d not in dims and s != (0, shape[d], 1)}
+    if not first:
+        return None
+    tag = tuple(sorted(first.items()))
+    if tag not in cache:
+        local, dec = start
+        for d, (lo, hi, step) in first.items():
+            local, dec = index.slice_dim(local, dec, d, lo, hi, step)
+        try:
+            phases = _plan(func, dec, dims, lengths, out_lengths, kind, done)
+        except UnsupportedOpError:
+            return None
+        cache[tag] = DomainTensor(*_run(fam, norm, local, dec, phases))
+    then = tuple(slice(None) if d in first else slice(*s) for d, s in enumerate(per))
+    out = index.getitem(torch.Tensor.__getitem__, (cache[tag], then), {})
+    aliasing.mark_copied(whole, out, "a slice of a spectrum taken before the transform's "
+                                     "transposes")
+    return out
+
+
+def _unpadded(x: DomainTensor, dims) -> DomainTensor:
+    """The tensor that ``x`` is a zero pad of (``ops/pad.py`` marks it), where the pad
+    widened only transform dims, at their high ends, and neither tensor was written
+    since: a transform of given length pads (or trims) with the same zeros. Else ``x``."""
+    mark = getattr(x, pad.PADDED_FROM, None)
+    if mark is None:
+        return x
+    source, widened, versions = mark
+    if not set(widened) <= set(dims) or versions != (source._local._version, x._local._version):
+        return x
+    return source
+
+
+def _phases(func, dec: Decomposition, dims, lengths, out_lengths, kind, split):
     """The plan, and None; or, where no dim can take a cut transform dim's grid
     axis, the plan from a layout ``start`` on a merged grid, and ``start``."""
     try:
-        return _plan(func, dec, dims, lengths, out_lengths, kind), None
+        return _plan(func, dec, dims, lengths, out_lengths, kind, split=split), None
     except UnsupportedOpError as refusal:
         for start in _merged_starts(dec, dims):
             try:
-                return _plan(func, start, dims, lengths, out_lengths, kind), start
+                return _plan(func, start, dims, lengths, out_lengths, kind, split=split), start
             except UnsupportedOpError:
                 continue
         raise refusal from None

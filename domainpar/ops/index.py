@@ -37,7 +37,8 @@ import torch
 from .. import autograd as ag
 from ..comm.decomposition import Decomposition
 from ..tensor import layout
-from ..tensor.dispatch import UnsupportedOpError, op_name, register, same_grid
+from ..tensor.deferred import Deferred
+from ..tensor.dispatch import TAKES_DEFERRED, UnsupportedOpError, op_name, register, same_grid
 from ..tensor.domain_tensor import DomainTensor
 from ..tensor.params import enter_domain
 from .common import onto
@@ -67,8 +68,8 @@ def _norm_slice(s: slice, n: int, func) -> tuple[int, int, int]:
     return start, max(start, stop), step
 
 
-def _slice_dim(local: torch.Tensor, dec: Decomposition, dim: int, start: int, stop: int,
-               step: int) -> tuple[torch.Tensor, Decomposition]:
+def slice_dim(local: torch.Tensor, dec: Decomposition, dim: int, start: int, stop: int,
+              step: int) -> tuple[torch.Tensor, Decomposition]:
     """Local. Global ``start:stop:step`` along ``dim`` (normalised) of a block."""
     shape = list(dec.global_shape)
     shape[dim] = len(range(start, stop, step))
@@ -216,6 +217,17 @@ def _expand_index(func, index, ndim: int) -> list:
     return items
 
 
+def slices_of(func, index, shape: Sequence[int]) -> list[tuple[int, int, int]] | None:
+    """Local. ``index`` into a tensor of global ``shape`` as one normalised
+    ``(start, stop, step)`` per dim, when it holds only slices and Ellipses
+    (checked as torch checks them); else None."""
+    items = index if isinstance(index, tuple) else (index,)
+    if not all(isinstance(i, slice) or i is Ellipsis for i in items):
+        return None
+    return [_norm_slice(it, n, func) for it, n in zip(_expand_index(func, index, len(shape)),
+                                                       shape)]
+
+
 def _int(i) -> int | None:
     """``i`` as an int index (Python or numpy int, 0-d integer tensor), else None."""
     if isinstance(i, bool):
@@ -258,11 +270,11 @@ def _basic_plan(func, x: DomainTensor, index):
                 raise IndexError(f"{op_name(func)}: index {i} is out of bounds for dimension "
                                  f"{d} with size {n}")
             i %= n
-            local, cur = _slice_dim(local, cur, d, i, i + 1, 1)
+            local, cur = slice_dim(local, cur, d, i, i + 1, 1)
             (squeeze_int if d in cur.shard else drop).append(d)
             d += 1
         elif isinstance(it, slice):
-            local, cur = _slice_dim(local, cur, d, *_norm_slice(it, n, func))
+            local, cur = slice_dim(local, cur, d, *_norm_slice(it, n, func))
             d += 1
         else:
             if isinstance(it, DomainTensor):
@@ -302,7 +314,8 @@ def getitem(func, args, kwargs):
     """Local for slices, None, Ellipsis and ints on unsharded dims; an int on a
     sharded dim costs a repartition (the one owner's slab made whole). Index
     tensors and masks are local on unsharded dims; on a sharded dim a DomainTensor
-    of global indices is a routed exchange (``points.rules``), others are refused."""
+    of global indices is a routed exchange (``points.rules``), others are refused.
+    A Deferred (``tensor/deferred.py``) is asked for ``narrowed(index)`` first."""
     x, index = args[0], args[1]
     if not isinstance(x, DomainTensor):
         raise UnsupportedOpError(f"{op_name(func)}: indexing a plain tensor with a DomainTensor "
@@ -310,9 +323,16 @@ def getitem(func, args, kwargs):
     if any(isinstance(i, DomainTensor) for i in (index if isinstance(index, tuple) else (index,))):
         from ..points.rules import getitem_routed  # global indices: a routed exchange
         return getitem_routed(func, x, index)
+    if isinstance(x, Deferred):  # a slice of a spectrum in transit (ops/fft.py) ...
+        taken = x.narrowed(index)
+        if taken is not None:
+            return taken
     local, dec, drop, squeeze_int = _basic_plan(func, x, index)
     local, dec = _unshard_and_drop(local, dec, sorted(drop + squeeze_int))
     return DomainTensor(local, dec)
+
+
+TAKES_DEFERRED.add(T.__getitem__)
 
 
 @register(T.narrow, torch.narrow)
@@ -329,7 +349,7 @@ def narrow(func, args, kwargs):
     if not (0 <= start <= n and 0 <= length and start + length <= n):
         raise IndexError(f"{op_name(func)}: start ({start}) + length ({length}) exceeds "
                          f"dimension size ({n})")
-    local, dec = _slice_dim(x._local, x._dec, dim, start, start + length, 1)
+    local, dec = slice_dim(x._local, x._dec, dim, start, start + length, 1)
     return DomainTensor(local, dec)
 
 
@@ -363,7 +383,7 @@ def split(func, args, kwargs):
     out, start = [], 0
     for p in pieces:
         n = p.shape[dim]
-        local, dec = _slice_dim(x._local, x._dec, dim, start, start + n, 1)
+        local, dec = slice_dim(x._local, x._dec, dim, start, start + n, 1)
         out.append(DomainTensor(local, dec))
         start += n
     return tuple(out)
@@ -566,8 +586,8 @@ def roll(func, args, kwargs):
         if d not in dec.shard:
             local = torch.roll(local, s, d)
             continue
-        tail, tail_dec = _slice_dim(local, dec, d, n - s, n, 1)
-        head, head_dec = _slice_dim(local, dec, d, 0, n - s, 1)
+        tail, tail_dec = slice_dim(local, dec, d, n - s, n, 1)
+        head, head_dec = slice_dim(local, dec, d, 0, n - s, 1)
         pieces = [DomainTensor(tail, tail_dec), DomainTensor(head, head_dec)]
         local, _ = _cat(func, pieces, d, tail_dec, out_sizes=dec.block_sizes(d))
     return DomainTensor(local, dec)

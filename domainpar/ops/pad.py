@@ -41,6 +41,8 @@ from . import window
 from .common import bind
 
 _MODES = ("constant", "reflect", "replicate", "circular")
+# A zero pad's mark on its result: (input, widened dims, both blocks' versions).
+PADDED_FROM = "_zero_padded_from"
 
 
 @functools.lru_cache(maxsize=1024)
@@ -118,8 +120,14 @@ def _constant(x: DomainTensor, pads: dict[int, tuple[int, int]], sharded, out_sh
     local_pads = {d: p for d, p in pads.items() if d not in sharded}
     local_pads.update({d: p[1][window.coordinate(dec, d)] for d, p in plans.items()})
     out = torch._C._nn.pad(local, _flat(local_pads, x.ndim, length), "constant", value)
-    return DomainTensor(out, window.out_layout(dec, out_shape,
-                                               {d: p[2] for d, p in plans.items()}))
+    result = DomainTensor(out, window.out_layout(dec, out_shape,
+                                                 {d: p[2] for d, p in plans.items()}))
+    widened = [d for d, (lo, hi) in pads.items() if (lo, hi) != (0, 0)]
+    if not value and widened and all(lo == 0 and hi > 0 for lo, hi in pads.values()
+                                     if (lo, hi) != (0, 0)):
+        # zeros at high ends only: a transform may take x instead (ops/fft.py, _unpadded)
+        setattr(result, PADDED_FROM, (x, tuple(widened), (x._local._version, out._version)))
+    return result
 
 
 @register(F.pad, torch.nn.functional.pad, torch._C._nn.pad)

@@ -38,6 +38,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import threading
+import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, TypeAlias, TypeVar
 
@@ -68,6 +69,10 @@ _GATHER_ALLOWED = contextvars.ContextVar("domainpar_allow_gather", default=False
 # that marks a call already inside one (nested calls are not observed again).
 _OP_OBSERVERS: list[Callable[[Any], contextlib.AbstractContextManager[object]]] = []
 _OBSERVED = threading.local()
+# Deferred DomainTensors (``deferred.py``) whose block is not computed yet, by id;
+# and the ops whose rules take one as it is (they call its ``narrowed``).
+_PENDING: dict[int, weakref.ref[Any]] = {}
+TAKES_DEFERRED: set[Any] = set()
 
 
 class UnsupportedOpError(DomainparError, NotImplementedError):
@@ -214,6 +219,8 @@ def handle(func: Func, types: object, args: Args = (), kwargs: Kwargs | None = N
     if name in ("__get__", "__set__", "__delete__"):
         return _attribute(func, name, args, kwargs)
     rule = _RULES.get(func)
+    if _PENDING and func not in TAKES_DEFERRED:
+        _complete(pytree.tree_leaves((args, kwargs)))
     refusal = aliasing.write_refusal(func, args, kwargs) if _may_refuse(args, kwargs) else None
     if refusal is not None:
         raise UnsupportedOpError(f"{op_name(func)}: {refusal}")
@@ -223,6 +230,26 @@ def handle(func: Func, types: object, args: Args = (), kwargs: Kwargs | None = N
         if _GATHER_ALLOWED.get():
             return _gather_and_run(func, args, kwargs)
         raise unsupported(func, args, kwargs)
+
+
+def pending(t: Any) -> None:
+    """Local. Register the Deferred ``t``: its block is computed before any call
+    that takes it, but those in ``TAKES_DEFERRED``."""
+    key = id(t)
+    _PENDING[key] = weakref.ref(t, lambda _ref: _PENDING.pop(key, None))
+
+
+def done(t: Any) -> None:
+    """Local. The Deferred ``t`` has its block."""
+    _PENDING.pop(id(t), None)
+
+
+def _complete(operands: Iterable[Any]) -> None:
+    """Collective where a block's computation is. Compute the block of every
+    pending Deferred among ``operands``, in their order (the same on every rank)."""
+    for a in operands:
+        if id(a) in _PENDING:
+            a._local  # noqa: B018 (the property computes the block)
 
 
 def _may_refuse(args: Args, kwargs: Kwargs) -> bool:

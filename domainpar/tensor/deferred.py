@@ -1,0 +1,71 @@
+"""Deferred: a DomainTensor whose block is computed at its first use, so that a
+rule that sees what the next op wants (a slice of a spectrum) can compute less.
+
+Local to create. The block comes from ``compute()``, which may be collective
+(the transposes of a distributed FFT). Every rank computes it at the same call:
+``dispatch.handle`` completes every Deferred operand of a call before the
+call's rule runs, except for the ops in ``TAKES_DEFERRED`` (``__getitem__``),
+whose rules ask ``narrowed`` first and read ``_local`` (which completes it)
+only when ``narrowed`` declines. Both happen inside the same torch call on every rank,
+as the program runs the same calls everywhere.
+
+``narrowed(index)`` returns the result of ``self[index]`` computed without the whole
+block (a DomainTensor), or None. It is asked only while the block has not been
+computed: once it has, the block may have been written in place, and slicing it
+is the only answer that follows the writes.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from ..comm.decomposition import Decomposition
+from . import dispatch
+from .domain_tensor import DomainTensor
+
+
+class Deferred(DomainTensor):
+    """Local. A DomainTensor of layout ``decomposition`` whose block is
+    ``compute()``, run at first use (module docstring); ``take(self, index)``
+    answers ``self[index]`` without it, or returns None."""
+
+    _compute: Callable[[], torch.Tensor] | None
+    _take: Callable[[Deferred, Any], DomainTensor | None] | None
+    _block: torch.Tensor | None
+
+    @staticmethod
+    def __new__(cls, decomposition: Decomposition, dtype: torch.dtype, device: torch.device,
+                compute: Callable[[], torch.Tensor],
+                take: Callable[[Deferred, Any], DomainTensor | None] | None = None) -> Deferred:
+        self = torch.Tensor._make_wrapper_subclass(
+            cls, decomposition.global_shape, dtype=dtype, device=device, requires_grad=False)
+        self._dec = decomposition
+        self._compute, self._take, self._block = compute, take, None
+        dispatch.pending(self)
+        return self
+
+    @property
+    def _local(self) -> torch.Tensor:
+        """The block, computed on first use."""
+        if self._block is None:
+            assert self._compute is not None
+            block = self._compute()
+            if tuple(block.shape) != self._dec.local_shape():
+                raise RuntimeError(f"internal: a deferred block of shape {tuple(block.shape)} "
+                                   f"does not fit {self._dec}")
+            self._block, self._compute, self._take = block, None, None
+            dispatch.done(self)
+        return self._block
+
+    @_local.setter
+    def _local(self, block: torch.Tensor) -> None:
+        self._block, self._compute, self._take = block, None, None
+        dispatch.done(self)
+
+    def narrowed(self, index: Any) -> DomainTensor | None:
+        """Local or collective, as the rule that made it. ``self[index]`` without the
+        whole block, or None (then index the block)."""
+        return None if self._take is None else self._take(self, index)
+

@@ -1,0 +1,167 @@
+"""Slices of a spectrum in transit and transforms of zero-padded spectra (ops/fft.py,
+"Slices of a spectrum"; tensor/deferred.py), against one process (the oracle):
+outputs, input and parameter gradients, float64 and float32, even, uneven,
+zero-size and periodic layouts on 1-, 2- and 3-D grids. Also: what travels (a
+slice moves only the cells it keeps, an unpadded spectrum only its own cells),
+that a transform whose result is used whole still answers, and that writes
+which the copies could not follow are refused on every rank."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+import domainpar as dp
+import domainpar.autograd as dag
+from domainpar.tensor.deferred import Deferred
+from domainpar.testing import assert_matches_single_process, raises_on_every_rank, shard_like
+from tensor_cases import DTYPES, KINDS, SIZE, global_tensor, layout
+
+pytestmark = pytest.mark.mpi
+
+LAYOUTS = [(k, g) for k in KINDS + ("periodic",) for g in (1, 2, 3)]
+
+
+def real_view(fn):
+    """``fn`` with a real output (the oracle's loss is sum(out * w) with a real w)."""
+    def run(*xs):
+        y = fn(*xs)
+        return torch.view_as_real(y.resolve_conj()) if y.is_complex() else y
+    return run
+
+
+def corners(x, m1=3, m2=3):
+    """The FNO's low modes: both ends of the first frequency dim, the start of the last."""
+    x_ft = torch.fft.rfft2(x)
+    return torch.cat([x_ft[..., :m1, :m2], x_ft[..., -m1:, :m2]], dim=-2)
+
+
+SLICINGS = {
+    "fno corners": corners,
+    "steps and channels": lambda x: torch.fft.rfft2(x)[:, 1:3, 1::2, 1:6:2],
+    "ellipsis, one dim": lambda x: torch.fft.rfft2(x, norm="ortho")[..., 2:4],
+    "3-D, s": lambda x: torch.fft.rfftn(x[:, :, None].expand(-1, -1, 3, -1, -1), s=(3, 10, 9),
+                                        dim=(2, 3, 4))[..., :2, -2:, :3],
+    "c2c": lambda x: torch.fft.fftn(x.to(torch.complex128 if x.dtype == torch.float64
+                                         else torch.complex64), dim=(2, 3))[:, :, 1:, :2],
+    "whole and sliced": lambda x: (lambda s: s.abs().mean() + s[..., :2, :2])(torch.fft.rfft2(x)),
+    "sliced, then whole": lambda x: (lambda s: s[..., -2:, :3].sum() * s)(torch.fft.rfft2(x)),
+}
+
+
+@pytest.mark.parametrize("i", range(len(SLICINGS) * 2))
+def test_slices_of_a_spectrum_match_one_process(i):
+    name = list(SLICINGS)[i % len(SLICINGS)]
+    kind, grid_ndim = LAYOUTS[i % len(LAYOUTS)]
+    dtype = DTYPES[i // len(SLICINGS)]
+    shape = (2, 4, 10, 9)
+    grid, shard, sizes = layout(shape, (2, 3, 1), grid_ndim, kind)
+    assert_matches_single_process(real_view(SLICINGS[name]), global_tensor(shape, dtype, seed=i),
+                                  grid, shard, sizes=sizes)
+
+
+def moved(monkeypatch):
+    """The number of cells each later repartition carries into this rank (a list)."""
+    cells = []
+    real = dag.repartition
+
+    def counting(block, src, dst):
+        out = real(block, src, dst)
+        if out is not block:
+            cells.append(out.numel())
+        return out
+    monkeypatch.setattr(dag, "repartition", counting)
+    return cells
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_slice_moves_only_what_it_keeps(kind, monkeypatch):
+    """rfft2 of a field cut on H: the W transform runs at once, H's transform waits
+    for the slice, and the transpose before it carries only the kept columns."""
+    shape = (1, 2, 16, 40)
+    grid, shard, sizes = layout(shape, (2,), 1, kind)
+    x = shard_like(global_tensor(shape), grid, shard, sizes)
+    cells = moved(monkeypatch)
+    x_ft = torch.fft.rfft2(x)
+    assert isinstance(x_ft, Deferred) and x_ft._block is None
+    low = torch.cat([x_ft[..., :3, :4], x_ft[..., -3:, :4]], dim=-2)
+    assert x_ft._block is None  # the whole spectrum was never made
+    kept = 2 * 16 * 4  # channels x H x the 4 kept columns, over all ranks
+    if SIZE > 1:
+        assert len(cells) == 1 and cells[0] <= kept  # one transpose, shared by both slices
+    torch.testing.assert_close(low.full_tensor(), corners(global_tensor(shape), 3, 4))
+    whole = x_ft * 1  # the whole spectrum, on demand
+    assert x_ft._block is not None
+    if SIZE > 1:
+        assert len(cells) == 2 and cells[1] > cells[0]
+    torch.testing.assert_close(whole.full_tensor(), torch.fft.rfft2(global_tensor(shape)))
+
+
+def test_attributes_of_a_spectrum_in_transit():
+    """Metadata needs no block; autograd state does (and computes it on every rank)."""
+    shape = (1, 2, 12, 10)
+    grid, shard, sizes = layout(shape, (2,), 1, "uneven")
+    x = shard_like(global_tensor(shape), grid, shard, sizes).requires_grad_()
+    x_ft = torch.fft.rfft2(x)
+    assert x_ft.shape == (1, 2, 12, 6) and x_ft.dtype == torch.complex128
+    assert x_ft._block is None
+    assert x_ft.requires_grad and x_ft._block is not None
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_writes_the_slices_cannot_follow_are_refused(kind):
+    """A slice taken before the transposes is a copy where one process has a view:
+    a write into it or into the spectrum is refused on every rank. A spectrum made
+    whole before it is sliced is indexed as any tensor, writes included."""
+    shape = (1, 2, 12, 10)
+    grid, shard, sizes = layout(shape, (2,), 1, kind)
+    x = shard_like(global_tensor(shape), grid, shard, sizes)
+    x_ft = torch.fft.rfft2(x)
+    low = x_ft[..., :3, :4]  # 4 columns: one for each of up to 4 ranks to take
+    raises_on_every_rank(dp.UnsupportedOpError, "a slice of a spectrum", lambda: low.mul_(2))
+    raises_on_every_rank(dp.UnsupportedOpError, "a slice of a spectrum", lambda: x_ft.zero_())
+    y_ft = torch.fft.rfft2(x)
+    y_ft.mul_(2)  # whole now, then written
+    y_low = y_ft[..., :3, :3]
+    y_low.zero_()  # a view, as in one process
+    expected = 2 * torch.fft.rfft2(global_tensor(shape))
+    expected[..., :3, :3] = 0
+    torch.testing.assert_close(y_ft.full_tensor(), expected)
+
+
+PADDED = {
+    "fno": lambda a: torch.fft.irfft2(F.pad(a, (0, 6)), s=(10, 22)),
+    "two dims": lambda a: torch.fft.irfftn(F.pad(a, (0, 3, 0, 2)), s=(12, 12), dim=(2, 3)),
+    "c2c, s shorter": lambda a: torch.fft.ifftn(F.pad(a, (0, 4)), s=(10, 7), dim=(2, 3)),
+    "written after the pad": lambda a: (lambda b: (lambda p: (b.mul_(3), torch.fft.irfft2(
+        p, s=(10, 22)))[1])(F.pad(b, (0, 6))))(a * 1),
+    "padded written": lambda a: (lambda p: (p.add_(1), torch.fft.irfft2(p, s=(10, 22)))[1])(
+        F.pad(a * 1, (0, 6))),
+}
+
+
+@pytest.mark.parametrize("i", range(len(PADDED) * 2))
+def test_transforms_of_zero_padded_spectra_match_one_process(i):
+    """A zero pad at the high end of transform dims is the transform's own padding:
+    it transforms the unpadded tensor, unless either was written since the pad."""
+    name = list(PADDED)[i % len(PADDED)]
+    kind, grid_ndim = LAYOUTS[(3 * i) % len(LAYOUTS)]
+    dtype = (torch.complex128, torch.complex64)[i // len(PADDED)]
+    real = global_tensor((2, 3, 10, 6), DTYPES[i // len(PADDED)], seed=i)
+    a = torch.complex(real, real.flip(-1))
+    grid, shard, sizes = layout(a.shape, (2, 3, 0), grid_ndim, kind)
+    assert_matches_single_process(real_view(PADDED[name]), a.to(dtype), grid, shard, sizes=sizes)
+
+
+def test_an_unpadded_spectrum_moves_only_its_cells(monkeypatch):
+    """irfft2 of a spectrum zero-padded along its sharded half dim: the transpose
+    carries the 4 columns the pad widened, not the 12."""
+    shape = (1, 2, 16, 4)
+    grid, shard, sizes = layout(shape, (3,), 1, "even")
+    a = shard_like(torch.complex(global_tensor(shape), global_tensor(shape, seed=1)), grid, shard,
+                   sizes)
+    padded = F.pad(a, (0, 8))
+    cells = moved(monkeypatch)
+    out = torch.fft.irfft2(padded, s=(16, 22))
+    if SIZE > 1:
+        assert len(cells) == 1 and cells[0] <= 2 * 16 * 4
+    torch.testing.assert_close(out.full_tensor(), torch.fft.irfft2(padded.full_tensor(),
+                                                                   s=(16, 22)))
