@@ -133,8 +133,9 @@ _CONV_ARGS = ("input", "weight", "bias", "stride", "padding", "dilation", "group
 
 @register(*_CONV)
 def conv(func, args, kwargs):
-    """Neighbour-wise collective (halo fill). Sharded on batch and spatial dims; any
-    stride, dilation, groups, padding (ints, tuples, 'same', 'valid')."""
+    """Neighbour-wise collective (halo fill; none where the kernel reaches no
+    neighbour, a 1x1 conv). Sharded on batch and spatial dims; any stride, dilation,
+    groups, padding (ints, tuples, 'same', 'valid')."""
     nsp = _CONV[func]
     a = bind(func, args, kwargs, _CONV_ARGS,
              {"stride": 1, "padding": 0, "dilation": 1, "groups": 1})

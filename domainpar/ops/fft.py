@@ -52,6 +52,32 @@ axis that went onto a dim the call does not transform (step 2's last choice)
 stays there: the inverse finds every dim it transforms local. A dim
 sharded on a grid axis of one rank counts as local and stays sharded.
 
+Slices of a spectrum
+--------------------
+An FNO keeps a few low modes of a spectrum and drops the rest, by slicing the
+transform's result. Where a forward transform (not c2r) still has a transpose
+ahead after its first phases, its result is a ``Deferred`` (``tensor/deferred.py``):
+those phases run at once (the r2c dim always in a phase of its own, so that this
+holds on one rank too), the rest at the result's first use. A slice of it
+(``x_ft[..., :m1, :m2]``: slices and Ellipsis only) cuts the dims transformed so
+far before the transpose, so only the kept cells travel and the remaining
+transforms run on them; its other dims are sliced after. Slices that cut those
+dims alike (``x_ft[..., :m, :m]`` and ``x_ft[..., -m:, :m]``) share one transpose.
+A narrowed dim then takes the grid axis where it can (the plan of step 2 on the
+narrowed sizes, balanced blocks); where no dim can, the whole spectrum answers.
+Such a slice is a copy where one process has a view, so a write into it or
+into the spectrum is refused (``tensor/aliasing.py``). Any other use of the
+result computes it whole, at the same call on every rank; after that, slices
+index it as any tensor.
+
+The inverse: a transform of a tensor zero-padded at the high end of transform
+dims only (``F.pad`` marks its result) transforms the unpadded tensor with the
+same lengths, as torch pads (or trims) a transform's input with those zeros
+itself: the zeros neither travel nor get transformed. Where the pad's input or
+result was written since, the padded tensor is used. A c2r dim whose input is
+narrower than its half spectrum goes last, in a phase of its own, so the other
+dims are transformed over the narrow input only (torch would pad it first).
+
 fftshift / ifftshift
 --------------------
 ``torch.fft.fftshift`` and ``ifftshift`` are rolls by ``n // 2`` and
@@ -249,7 +275,8 @@ def _dims_and_lengths(x: DomainTensor, form: str, a: dict, kind, out_shape):
 def fft(func, args, kwargs):
     """Collective (alltoallv transposes) when a transform dim is sharded, local otherwise.
     fft, ifft, rfft, irfft, hfft, ihfft and their 2-D and n-D forms: any dims, n / s
-    (padding, trimming), norm; real or complex input; output layout in ``ops.fft``."""
+    (padding, trimming), norm; real or complex input; output layout in ``ops.fft``.
+    A slice of the result moves only the cells it keeps; a zero pad is not moved."""
     family, form, name = _FORMS[func]
     names = ("input", "n", "dim", "norm") if form == "1" else ("input", "s", "dim", "norm")
     a = bind(func, args, kwargs, names + ("out",),
