@@ -102,8 +102,12 @@ def test_attributes_of_a_spectrum_in_transit():
     x = shard_like(global_tensor(shape), grid, shard, sizes).requires_grad_()
     x_ft = torch.fft.rfft2(x)
     assert x_ft.shape == (1, 2, 12, 6) and x_ft.dtype == torch.complex128
+    if x.decomposition.grid.comm.Get_rank() == 0:  # one rank alone: repr sends nothing
+        assert "computed at its first use" in repr(x_ft)
     assert x_ft._block is None
     assert x_ft.requires_grad and x_ft._block is not None
+    assert "local=\ntensor(" in repr(x_ft)
+    assert torch.fft.rfft2(x).to_local().shape == x_ft.to_local().shape  # collective now
 
 
 @pytest.mark.parametrize("kind", KINDS)

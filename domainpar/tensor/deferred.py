@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from ..comm.decomposition import Decomposition
-from . import dispatch
+from . import dispatch, layout
 from .domain_tensor import DomainTensor
 
 
@@ -63,6 +63,19 @@ class Deferred(DomainTensor):
     def _local(self, block: torch.Tensor) -> None:
         self._block, self._compute, self._take = block, None, None
         dispatch.done(self)
+
+    def to_local(self) -> torch.Tensor:
+        """Collective while the block is not computed (its computation may be),
+        local after. This rank's block (differentiable)."""
+        return self._local
+
+    def __repr__(self, *, tensor_contents: Any = None) -> str:  # type: ignore[override]  # noqa: D105
+        if self._block is not None:
+            return super().__repr__()
+        # local, as repr must be: a rank may print alone
+        return (f"DomainTensor(global_shape={tuple(self._dec.global_shape)}, "
+                f"dtype={self.dtype}, device={self.device}, "
+                f"{layout.sharded_dims_text(self._dec)}, local=<computed at its first use>)")
 
     def narrowed(self, index: Any) -> DomainTensor | None:
         """Local or collective, as the rule that made it. ``self[index]`` without the
