@@ -8,12 +8,13 @@ which the copies could not follow are refused on every rank."""
 import pytest
 import torch
 import torch.nn.functional as F
+from mpi4py import MPI
 
 import domainpar as dp
 import domainpar.autograd as dag
 from domainpar.tensor.deferred import Deferred
 from domainpar.testing import assert_matches_single_process, raises_on_every_rank, shard_like
-from tensor_cases import DTYPES, KINDS, SIZE, global_tensor, layout
+from tensor_cases import COMM, DTYPES, KINDS, SIZE, global_tensor, layout
 
 pytestmark = pytest.mark.mpi
 
@@ -58,6 +59,11 @@ def test_slices_of_a_spectrum_match_one_process(i):
                                   grid, shard, sizes=sizes)
 
 
+def everywhere(ok) -> bool:
+    """Collective. Whether ``ok`` holds on every rank (all ranks then assert alike)."""
+    return bool(COMM.allreduce(int(bool(ok)), op=MPI.MIN))
+
+
 def moved(monkeypatch):
     """The number of cells each later repartition carries into this rank (a list)."""
     cells = []
@@ -81,17 +87,16 @@ def test_a_slice_moves_only_what_it_keeps(kind, monkeypatch):
     x = shard_like(global_tensor(shape), grid, shard, sizes)
     cells = moved(monkeypatch)
     x_ft = torch.fft.rfft2(x)
-    assert isinstance(x_ft, Deferred) and x_ft._block is None
+    assert everywhere(isinstance(x_ft, Deferred) and x_ft._block is None)
     low = torch.cat([x_ft[..., :3, :4], x_ft[..., -3:, :4]], dim=-2)
-    assert x_ft._block is None  # the whole spectrum was never made
+    assert everywhere(x_ft._block is None)  # the whole spectrum was never made
     kept = 2 * 16 * 4  # channels x H x the 4 kept columns, over all ranks
-    if SIZE > 1:
-        assert len(cells) == 1 and cells[0] <= kept  # one transpose, shared by both slices
+    # one transpose, shared by both slices
+    assert everywhere(SIZE == 1 or (len(cells) == 1 and cells[0] <= kept)), cells
     torch.testing.assert_close(low.full_tensor(), corners(global_tensor(shape), 3, 4))
     whole = x_ft * 1  # the whole spectrum, on demand
-    assert x_ft._block is not None
-    if SIZE > 1:
-        assert len(cells) == 2 and cells[1] > cells[0]
+    assert everywhere(x_ft._block is not None)
+    assert everywhere(SIZE == 1 or (len(cells) == 2 and cells[1] >= cells[0])), cells
     torch.testing.assert_close(whole.full_tensor(), torch.fft.rfft2(global_tensor(shape)))
 
 
@@ -131,14 +136,19 @@ def test_writes_the_slices_cannot_follow_are_refused(kind):
     torch.testing.assert_close(y_ft.full_tensor(), expected)
 
 
-PADDED = {
-    "fno": lambda a: torch.fft.irfft2(F.pad(a, (0, 6)), s=(10, 22)),
-    "two dims": lambda a: torch.fft.irfftn(F.pad(a, (0, 3, 0, 2)), s=(12, 12), dim=(2, 3)),
-    "c2c, s shorter": lambda a: torch.fft.ifftn(F.pad(a, (0, 4)), s=(10, 7), dim=(2, 3)),
+PADDED = {  # (2, 3, 10, 6) inputs; a pad to 8x the input or more is deferred
+    "fno": lambda a: torch.fft.irfft2(F.pad(a, (0, 42)), s=(10, 94)),
+    "two dims": lambda a: torch.fft.irfftn(F.pad(a, (0, 18, 0, 10)), s=(20, 46), dim=(2, 3)),
+    "c2c, s shorter": lambda a: torch.fft.ifftn(F.pad(a, (0, 42)), s=(10, 7), dim=(2, 3)),
+    "a batch dim padded too": lambda a: torch.fft.irfft2(F.pad(a, (0, 42, 0, 0, 0, 0, 0, 1)),
+                                                          s=(10, 94)),
+    "too small to defer": lambda a: torch.fft.irfft2(F.pad(a, (0, 6)), s=(10, 22)),
     "written after the pad": lambda a: (lambda b: (lambda p: (b.mul_(3), torch.fft.irfft2(
-        p, s=(10, 22)))[1])(F.pad(b, (0, 6))))(a * 1),
-    "padded written": lambda a: (lambda p: (p.add_(1), torch.fft.irfft2(p, s=(10, 22)))[1])(
-        F.pad(a * 1, (0, 6))),
+        p, s=(10, 94)))[1])(F.pad(b, (0, 42))))(a * 1),
+    "padded written": lambda a: (lambda p: (p.add_(1), torch.fft.irfft2(p, s=(10, 94)))[1])(
+        F.pad(a * 1, (0, 42))),
+    "padded used first": lambda a: (lambda p: p.abs().sum() + torch.fft.irfft2(p, s=(10, 94)))(
+        F.pad(a, (0, 42))),
 }
 
 
@@ -156,16 +166,16 @@ def test_transforms_of_zero_padded_spectra_match_one_process(i):
 
 
 def test_an_unpadded_spectrum_moves_only_its_cells(monkeypatch):
-    """irfft2 of a spectrum zero-padded along its sharded half dim: the transpose
-    carries the 4 columns the pad widened, not the 12."""
+    """irfft2 of a spectrum zero-padded along its sharded half dim: the pad is never
+    made, and the transpose carries the 4 columns the pad widened, not the 40."""
     shape = (1, 2, 16, 4)
     grid, shard, sizes = layout(shape, (3,), 1, "even")
     a = shard_like(torch.complex(global_tensor(shape), global_tensor(shape, seed=1)), grid, shard,
                    sizes)
-    padded = F.pad(a, (0, 8))
+    padded = F.pad(a, (0, 36))
     cells = moved(monkeypatch)
-    out = torch.fft.irfft2(padded, s=(16, 22))
-    if SIZE > 1:
-        assert len(cells) == 1 and cells[0] <= 2 * 16 * 4
+    out = torch.fft.irfft2(padded, s=(16, 78))
+    assert everywhere(isinstance(padded, Deferred) and padded._block is None)
+    assert everywhere(SIZE == 1 or (len(cells) == 1 and cells[0] <= 2 * 16 * 4)), cells
     torch.testing.assert_close(out.full_tensor(), torch.fft.irfft2(padded.full_tensor(),
-                                                                   s=(16, 22)))
+                                                                   s=(16, 78)))

@@ -70,11 +70,12 @@ into the spectrum is refused (``tensor/aliasing.py``). Any other use of the
 result computes it whole, at the same call on every rank; after that, slices
 index it as any tensor.
 
-The inverse: a transform of a tensor zero-padded at the high end of transform
-dims only (``F.pad`` marks its result) transforms the unpadded tensor with the
-same lengths, as torch pads (or trims) a transform's input with those zeros
-itself: the zeros neither travel nor get transformed. Where the pad's input or
-result was written since, the padded tensor is used. A c2r dim whose input is
+The inverse: a transform of a zero pad that ``F.pad`` deferred (zeros at the
+high ends of transform dims only, at least 8 times the input: ``ops/pad.py``)
+transforms the pad's input (a copy of it, made at the pad) with the same
+lengths, as torch pads (or trims) a transform's input with those zeros
+itself: the zeros are neither made, moved nor transformed. A pad already
+computed (used otherwise first, or written) is transformed as it is. A c2r dim whose input is
 narrower than its half spectrum goes last, in a phase of its own, so the other
 dims are transformed over the narrow input only (torch would pad it first).
 
@@ -121,7 +122,7 @@ from .. import autograd as ag
 from ..comm.decomposition import Decomposition
 from ..tensor import aliasing, layout
 from ..tensor.deferred import Deferred
-from ..tensor.dispatch import UnsupportedOpError, op_name, register
+from ..tensor.dispatch import TAKES_DEFERRED, UnsupportedOpError, op_name, register
 from ..tensor.domain_tensor import DomainTensor
 from . import index, pad, window
 from .common import bind, normalize_dims
@@ -314,6 +315,9 @@ def fft(func, args, kwargs):
     return DomainTensor(local, dec)
 
 
+TAKES_DEFERRED.update(_FORMS)  # a deferred zero pad reaches the rule as it is (``_unpadded``)
+
+
 def _run(fam: _Family, norm, local: torch.Tensor, dec: Decomposition, phases):
     """Collective (the phases' repartitions). The block and layout after ``phases``."""
     for phase in phases:
@@ -382,16 +386,14 @@ def _take(func, fam: _Family, norm, start, done, left, cache, whole: Deferred, k
 
 
 def _unpadded(x: DomainTensor, dims) -> DomainTensor:
-    """The tensor that ``x`` is a zero pad of (``ops/pad.py`` marks it), where the pad
-    widened only transform dims, at their high ends, and neither tensor was written
-    since: a transform of given length pads (or trims) with the same zeros. Else ``x``."""
+    """The tensor that ``x`` is a zero pad of, where ``x`` is a deferred pad
+    (``ops/pad.py``) not computed yet that widened only transform dims: a transform
+    of given lengths pads (or trims) with the same zeros. Else ``x``."""
     mark = getattr(x, pad.PADDED_FROM, None)
-    if mark is None:
+    if mark is None or not isinstance(x, Deferred) or x._block is not None:
         return x
-    source, widened, versions = mark
-    if not set(widened) <= set(dims) or versions != (source._local._version, x._local._version):
-        return x
-    return source
+    source, widened = mark
+    return source if set(widened) <= set(dims) else x
 
 
 def _phases(func, dec: Decomposition, dims, lengths, out_lengths, kind, split):

@@ -17,6 +17,12 @@ cell ``j - lo`` mapped into the domain:
 - circular: wrapped around, through a halo exchange that wraps on any grid
   (the grid axis need not be periodic).
 
+A zero pad at high ends only that makes its input at least 8 times larger (a
+spectrum's few kept modes padded back to the whole spectrum) is a ``Deferred``
+(``tensor/deferred.py``) that keeps a copy of its input: it is computed at its
+first use, and a transform that it feeds takes the copy instead, its zeros
+being the transform's own padding (``ops/fft.py``).
+
 The edge ranks take the cells they need by a halo fill (which reaches past
 neighbours whose blocks are narrower than the padding) and pick them with an
 index_select, whose backward adds each padded cell's gradient into its source.
@@ -27,6 +33,7 @@ slice instead. Reflect and replicate take them (the cropped end reads no source)
 from __future__ import annotations
 
 import functools
+import math
 
 import numpy as np
 import torch
@@ -35,14 +42,16 @@ import torch.nn.functional as F
 from ..autograd import repartition
 from ..comm.decomposition import balanced_sizes
 from ..tensor import layout
+from ..tensor.deferred import Deferred
 from ..tensor.dispatch import UnsupportedOpError, op_name, register
 from ..tensor.domain_tensor import DomainTensor
 from . import window
 from .common import bind
 
 _MODES = ("constant", "reflect", "replicate", "circular")
-# A zero pad's mark on its result: (input, widened dims, both blocks' versions).
+# A deferred zero pad's mark on its result: (a copy of its input, the widened dims).
 PADDED_FROM = "_zero_padded_from"
+_DEFER = 8  # a zero pad to at least this many times its input is deferred
 
 
 @functools.lru_cache(maxsize=1024)
@@ -109,25 +118,29 @@ def _constant_plan(n: int, in_sizes: tuple[int, ...], lo: int, hi: int):
 def _constant(x: DomainTensor, pads: dict[int, tuple[int, int]], sharded, out_shape,
               length: int, value) -> DomainTensor:
     """Constant-mode pad. Local, or collective (one repartition, moving input cells
-    only) where the output is balanced (``_constant_plan``)."""
+    only) where the output is balanced (``_constant_plan``). Zeros at high ends
+    only, to at least ``_DEFER`` times the input: a Deferred (module docstring)."""
     dec = x._dec
     plans = {d: _constant_plan(x.shape[d], tuple(dec.block_sizes(d)), lo, hi)
              for d, (lo, hi) in sharded.items()}
     held = layout.derive(dec, x.shape, dec.shard,
                          {d: plans[d][0] if d in plans else dec.block_sizes(d)
                           for d in dec.shard})
-    local = repartition(x._local, dec, held)
     local_pads = {d: p for d, p in pads.items() if d not in sharded}
     local_pads.update({d: p[1][window.coordinate(dec, d)] for d, p in plans.items()})
-    out = torch._C._nn.pad(local, _flat(local_pads, x.ndim, length), "constant", value)
-    result = DomainTensor(out, window.out_layout(dec, out_shape,
-                                                 {d: p[2] for d, p in plans.items()}))
-    widened = [d for d, (lo, hi) in pads.items() if (lo, hi) != (0, 0)]
-    if not value and widened and all(lo == 0 and hi > 0 for lo, hi in pads.values()
-                                     if (lo, hi) != (0, 0)):
-        # zeros at high ends only: a transform may take x instead (ops/fft.py, _unpadded)
-        setattr(result, PADDED_FROM, (x, tuple(widened), (x._local._version, out._version)))
-    return result
+    out_dec = window.out_layout(dec, out_shape, {d: p[2] for d, p in plans.items()})
+
+    def padded(block: torch.Tensor) -> torch.Tensor:
+        return torch._C._nn.pad(repartition(block, dec, held), _flat(local_pads, x.ndim, length),
+                                "constant", value)
+    widened = tuple(d for d, p in pads.items() if p != (0, 0))
+    if not value and widened and all(pads[d][0] == 0 and pads[d][1] > 0 for d in widened) \
+            and _DEFER * math.prod(x.shape) <= math.prod(out_shape):
+        snapshot = DomainTensor(x._local.clone(), dec)  # later writes into x do not reach it
+        result = Deferred(out_dec, x.dtype, x.device, lambda: padded(snapshot._local))
+        setattr(result, PADDED_FROM, (snapshot, widened))
+        return result
+    return DomainTensor(padded(x._local), out_dec)
 
 
 @register(F.pad, torch.nn.functional.pad, torch._C._nn.pad)

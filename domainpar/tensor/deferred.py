@@ -2,12 +2,13 @@
 rule that sees what the next op wants (a slice of a spectrum) can compute less.
 
 Local to create. The block comes from ``compute()``, which may be collective
-(the transposes of a distributed FFT). Every rank computes it at the same call:
-``dispatch.handle`` completes every Deferred operand of a call before the
-call's rule runs, except for the ops in ``TAKES_DEFERRED`` (``__getitem__``),
-whose rules ask ``narrowed`` first and read ``_local`` (which completes it)
-only when ``narrowed`` declines. Both happen inside the same torch call on every rank,
-as the program runs the same calls everywhere.
+(the transposes of a distributed FFT, a pad's repartition). Every rank computes
+it at the same call: ``dispatch.handle`` computes every Deferred operand of a
+call before the call's rule runs, except for the ops in ``TAKES_DEFERRED``,
+whose rules look at it first: ``__getitem__`` asks ``narrowed(index)``, the
+FFTs take a deferred zero pad's input instead (``ops/fft.py``); where they do
+not, they read ``_local``, which computes it. Both happen inside the same torch
+call on every rank, as the program runs the same calls everywhere.
 
 ``narrowed(index)`` returns the result of ``self[index]`` computed without the whole
 block (a DomainTensor), or None. It is asked only while the block has not been
