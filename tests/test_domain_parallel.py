@@ -121,3 +121,59 @@ def test_construction_broadcasts_parameters_and_buffers():
         for other in everyone:
             assert torch.equal(other, everyone[0])
     assert torch.equal(wrapped.module.stat, torch.zeros(3, dtype=torch.float64))
+
+
+class ComplexWeights(torch.nn.Module):
+    """Complex weights stored as (real, imag) pairs, used through view_as_complex,
+    twice (two einsums), on a spectrum sharded on the batch and the mode dims."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.randn(3, 2, 5, 2))
+
+    def forward(self, x):  # (B, 3, H, W) real
+        x_ft = torch.fft.rfft(x, dim=2).transpose(2, 3)[..., :5]  # (B, 3, W, 5)
+        w = torch.view_as_complex(self.w)
+        y = torch.einsum("bixy,ioy->boxy", x_ft, w) + torch.einsum("bixy,ioy->boxy", x_ft * 2j, w)
+        return torch.view_as_real(y)
+
+
+@pytest.mark.parametrize("kind", ["even", "uneven", "zero"])
+def test_complex_views_of_parameters_are_reduced_with_them(kind, monkeypatch):
+    """A complex view of a parameter (view_as_complex) entering per-rank work inside
+    DomainParallel is reduced with the parameter, bucketed: no per-op allgather or
+    allreduce of its gradient, and its values are checked once, as the parameter's.
+    Gradients and 5 steps of training match one process."""
+    from domainpar import autograd as dag
+    from domainpar.tensor import params
+    per_op = []  # parameter gradients an op would reduce itself
+    real_shard, real_broadcast = dag.shard, dag.broadcast
+    monkeypatch.setattr(dag, "shard", lambda *a: (per_op.append("shard"), real_shard(*a))[1])
+
+    def broadcast(t, comm, defer=None):
+        if defer is None:
+            per_op.append("broadcast")
+        return real_broadcast(t, comm, defer)
+    monkeypatch.setattr(dag, "broadcast", broadcast)
+    checked = []
+    real_agree = params.agree
+    monkeypatch.setattr(params, "agree", lambda *a, **k: (checked.append(1), real_agree(*a, **k))[1])
+    torch.manual_seed(5)
+    grid, shard, sizes = batch_domain_grid(kind)
+    x = global_tensor((4, 3, 9, 5), torch.float64, seed=6)
+    model = ComplexWeights().double()
+    assert_matches_single_process(model, x, grid, shard, sizes=sizes,
+                                  wrap=lambda m: dp.DomainParallel(m, grid))
+    assert per_op == []
+    target = global_tensor((4, 2, 5, 5, 2), torch.float64, seed=7)
+    target_sizes = {0: sizes[0]} if sizes and 0 in sizes else None  # dim 2 is W's modes now
+    def penalty(m):  # the parameter's complex view used on replicated values too
+        return 0.1 * torch.view_as_complex(m.w).abs().sum()
+    reference = train(copy.deepcopy(model), x, target, extra=penalty)
+    before = len(checked)
+    sharded = train(dp.DomainParallel(copy.deepcopy(model), grid),
+                    shard_like(x, grid, shard, sizes),
+                    shard_like(target, grid, shard, target_sizes),
+                    extra=lambda m: penalty(m.module))
+    assert per_op == [] and len(checked) - before == (SIZE > 1)  # once, not per step
+    assert_same_parameters(sharded, reference, 1e-10, 1e-12)

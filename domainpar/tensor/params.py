@@ -48,6 +48,18 @@ def reset_deferrer(token: contextvars.Token[Deferrer | None]) -> None:
 _CHECKED: weakref.WeakValueDictionary[int, torch.Tensor] = weakref.WeakValueDictionary()
 
 
+def complex_view_of(p: torch.Tensor) -> torch.Tensor | None:
+    """Local. The real tensor that ``p`` is ``torch.view_as_complex`` of, or None.
+    (``Tensor._base``, the base of a view, is private but documented in torch's
+    "Tensor Views" page; tests/test_domain_parallel.py checks its use here,
+    measured on torch 2.13.)"""
+    base = p._base
+    if base is None or not p.is_complex() or base.is_complex() or \
+            tuple(base.shape) != tuple(p.shape) + (2,):
+        return None
+    return base
+
+
 def check_replicated(p: torch.Tensor, comm: MPI.Comm) -> None:
     """Collective over ``comm``, the first time it sees ``p``. Raise the same
     MismatchError on every rank if ``p``, which every rank must hold alike,
@@ -60,6 +72,9 @@ def check_replicated(p: torch.Tensor, comm: MPI.Comm) -> None:
     small allreduce per tensor, once (gradients are summed over the ranks, so
     optimizer steps keep replicated parameters equal).
     """
+    base = complex_view_of(p)
+    if base is not None:  # a complex view holds its base's values: check the base, once
+        p = base
     if comm.Get_size() == 1 or _CHECKED.get(id(p)) is p:
         return
     data = p.detach().reshape(-1)
