@@ -179,3 +179,25 @@ def test_an_unpadded_spectrum_moves_only_its_cells(monkeypatch):
     assert everywhere(SIZE == 1 or (len(cells) == 1 and cells[0] <= 2 * 16 * 4)), cells
     torch.testing.assert_close(out.full_tensor(), torch.fft.irfft2(padded.full_tensor(),
                                                                    s=(16, 78)))
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_grad_mode_is_the_transforms_own(kind):
+    """What a spectrum in transit computes later records the graph that its transform's
+    call records in one process, whatever the grad mode at the later use."""
+    shape = (1, 2, 12, 10)
+    grid, shard, sizes = layout(shape, (2,), 1, kind)
+    g = global_tensor(shape).requires_grad_()
+    x = shard_like(g.detach(), grid, shard, sizes).requires_grad_()
+    x_ft, y_ft, g_ft = torch.fft.rfft2(x), torch.fft.rfft2(x), torch.fft.rfft2(g)
+    with torch.no_grad():
+        inside = x_ft[..., :3, :4]   # taken here, cached: later slices need the graph
+        y_ft * 1                     # the whole block, computed here
+        z_ft, gz_ft = torch.fft.rfft2(x), torch.fft.rfft2(g)
+        g_inside = g_ft[..., :3, :4]
+    assert everywhere(inside.requires_grad == g_inside.requires_grad)  # a view: True
+    assert everywhere(not z_ft[..., :3, :4].requires_grad and not gz_ft.requires_grad)
+    loss = x_ft[..., :3, :4].abs().sum() + y_ft.abs().sum()
+    loss.backward()
+    (g_ft[..., :3, :4].abs().sum() + g_ft.abs().sum()).backward()
+    torch.testing.assert_close(x.grad.full_tensor(), g.grad)

@@ -371,13 +371,15 @@ def _take(func, fam: _Family, norm, start, done, left, cache, whole: Deferred, k
     tag = tuple(sorted(first.items()))
     if tag not in cache:
         local, dec = start
-        for d, (lo, hi, step) in first.items():
-            local, dec = index.slice_dim(local, dec, d, lo, hi, step)
+        with whole.as_made():
+            for d, (lo, hi, step) in first.items():
+                local, dec = index.slice_dim(local, dec, d, lo, hi, step)
         try:
             phases = _plan(func, dec, dims, lengths, out_lengths, kind, done)
         except UnsupportedOpError:
             return None
-        cache[tag] = DomainTensor(*_run(fam, norm, local, dec, phases))
+        with whole.as_made():  # cached for later slices: the graph of the transform's call
+            cache[tag] = DomainTensor(*_run(fam, norm, local, dec, phases))
     then = tuple(slice(None) if d in first else slice(*s) for d, s in enumerate(per))
     out = index.getitem(torch.Tensor.__getitem__, (cache[tag], then), {})
     aliasing.mark_copied(whole, out, "a slice of a spectrum taken before the transform's "

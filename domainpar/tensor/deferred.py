@@ -17,7 +17,8 @@ is the only answer that follows the writes.
 """
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -35,6 +36,7 @@ class Deferred(DomainTensor):
     _compute: Callable[[], torch.Tensor] | None
     _take: Callable[[Deferred, Any], DomainTensor | None] | None
     _block: torch.Tensor | None
+    _modes: tuple[bool, bool]  # grad and inference mode where it was made
 
     @staticmethod
     def __new__(cls, decomposition: Decomposition, dtype: torch.dtype, device: torch.device,
@@ -44,6 +46,7 @@ class Deferred(DomainTensor):
             cls, decomposition.global_shape, dtype=dtype, device=device, requires_grad=False)
         self._dec = decomposition
         self._compute, self._take, self._block = compute, take, None
+        self._modes = (torch.is_grad_enabled(), torch.is_inference_mode_enabled())
         dispatch.pending(self)
         return self
 
@@ -52,7 +55,8 @@ class Deferred(DomainTensor):
         """The block, computed on first use."""
         if self._block is None:
             assert self._compute is not None
-            block = self._compute()
+            with self.as_made():
+                block = self._compute()
             if tuple(block.shape) != self._dec.local_shape():
                 raise RuntimeError(f"internal: a deferred block of shape {tuple(block.shape)} "
                                    f"does not fit {self._dec}")
@@ -64,6 +68,14 @@ class Deferred(DomainTensor):
     def _local(self, block: torch.Tensor) -> None:
         self._block, self._compute, self._take = block, None, None
         dispatch.done(self)
+
+    @contextlib.contextmanager
+    def as_made(self) -> Iterator[None]:
+        """Local. Grad and inference mode as where it was made: what is computed
+        later records (or not) the graph that one process records at that call."""
+        grad, inference = self._modes
+        with torch.inference_mode(inference), torch.set_grad_enabled(grad):
+            yield
 
     def to_local(self) -> torch.Tensor:
         """Collective while the block is not computed (its computation may be),
