@@ -395,9 +395,9 @@ def repartition(block: Any, src: Decomposition, dst: Decomposition) -> Array:
 @functools.lru_cache(maxsize=1024)
 def _repartition_plan(src: Decomposition, dst: Decomposition,
                       itemsize: int) -> tuple[_Plan, _Plan]:
-    """Index math of a repartition, for this rank: (boxes, byte counts, byte
-    displacements) of what it sends, in rank order, and of what it receives.
-    Cached (half the cost of a small repartition); callers do not change it."""
+    """Index math of a repartition, for this rank (cached; callers do not change it):
+    (boxes, byte counts, byte displacements) of what it sends, in rank order, and
+    of what it receives."""
     grid, in_dst = src.grid, src.grid.ranks_in(dst.grid)  # ranks of src's grid, in dst's
     me, reps = grid.coords, src.replicated_axes
     mine_src, mine_dst = src.local_slices(), dst.local_slices()

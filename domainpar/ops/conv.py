@@ -20,9 +20,11 @@ Refused (UnsupportedOpError on every rank): the channel dim sharded; an
 unbatched input; a DomainTensor as weight or bias.
 
 The local call (torch's conv on a block, steered to oneDNN on CPU where torch's
-size rule would pick im2col for a thin block) is ``ops/onednn.py``. A float32
-3-D conv of whole blocks (no spatial dim sharded) goes through HaloConv with no
-ghost cells, for that choice; other whole-block convs call torch's op.
+size rule would pick im2col for a thin block) is ``ops/onednn.py``. A conv that
+needs no ghost cells (no spatial dim sharded, or a kernel 1 wide, stride 1 and
+unpadded along every sharded one: a 1x1 conv; no block empty there) runs on the
+blocks as they are: float32 3-D through HaloConv with no ghost cells, for that
+choice; the others by torch's op.
 """
 from __future__ import annotations
 
