@@ -43,6 +43,9 @@ SLICINGS = {
                                         dim=(2, 3, 4))[..., :2, -2:, :3],
     "c2c": lambda x: torch.fft.fftn(x.to(torch.complex128 if x.dtype == torch.float64
                                          else torch.complex64), dim=(2, 3))[:, :, 1:, :2],
+    "fftshift, centre band": lambda x: torch.fft.fftshift(torch.fft.rfft2(x), dim=-2)[..., 3:7, :4],
+    "ifftshift twice, then whole": lambda x: torch.fft.ifftshift(torch.fft.ifftshift(
+        torch.fft.rfftn(x, dim=(1, 2, 3)), dim=(1, 2)), dim=2)[:, 1:3, :, 1:3] * 1,
     "whole and sliced": lambda x: (lambda s: s.abs().mean() + s[..., :2, :2])(torch.fft.rfft2(x)),
     "sliced, then whole": lambda x: (lambda s: s[..., -2:, :3].sum() * s)(torch.fft.rfft2(x)),
 }
@@ -201,3 +204,20 @@ def test_grad_mode_is_the_transforms_own(kind):
     loss.backward()
     (g_ft[..., :3, :4].abs().sum() + g_ft.abs().sum()).backward()
     torch.testing.assert_close(x.grad.full_tensor(), g.grad)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_shifted_spectrum_moves_only_what_it_keeps(kind, monkeypatch):
+    """neuraloperator's order: rfft2, fftshift along H, then the centre band of H and
+    the first columns of W. The shift waits with the transform; the transpose carries
+    the kept columns only, and the shift rolls what they hold."""
+    shape = (1, 2, 16, 40)
+    grid, shard, sizes = layout(shape, (2,), 1, kind)
+    x = shard_like(global_tensor(shape), grid, shard, sizes)
+    cells = moved(monkeypatch)
+    x_ft = torch.fft.fftshift(torch.fft.rfft2(x), dim=-2)
+    band = x_ft[..., 6:10, :4]
+    assert everywhere(isinstance(x_ft, Deferred) and x_ft._block is None)
+    assert everywhere(SIZE == 1 or (len(cells) == 1 and cells[0] <= 2 * 16 * 4)), cells
+    want = torch.fft.fftshift(torch.fft.rfft2(global_tensor(shape)), dim=-2)[..., 6:10, :4]
+    torch.testing.assert_close(band.full_tensor(), want)

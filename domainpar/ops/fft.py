@@ -442,4 +442,35 @@ def fftshift(func, args, kwargs):
         return DomainTensor(x._local.clone(), x._dec)
     sign = 1 if func is torch.fft.fftshift else -1
     shifts = [sign * (x.shape[d] // 2) for d in dims]
+    if isinstance(x, Deferred) and x.narrows:
+        return _shifted_in_transit(x, shifts, list(dims))
     return index.roll(torch.roll, (x, shifts, list(dims)), {})
+
+
+TAKES_DEFERRED.update((torch.fft.fftshift, torch.fft.ifftshift))
+
+
+def _shifted_in_transit(x: Deferred, shifts, dims) -> Deferred:
+    """The shift of a spectrum in transit, in transit too: a slice of it slices the
+    other dims of ``x`` first (``x.narrowed``), rolls what that keeps, and slices the
+    shifted dims after (a roll commutes with slicing other dims)."""
+    def roll(t: DomainTensor) -> DomainTensor:
+        return index.roll(torch.roll, (t, shifts, dims), {})
+
+    def take(whole: Deferred, key):
+        per = index.slices_of(torch.Tensor.__getitem__, key, whole._dec.global_shape)
+        if per is None:
+            return None
+        first = tuple(slice(None) if d in dims else slice(*s) for d, s in enumerate(per))
+        narrow = x.narrowed(first)
+        if narrow is None:
+            return None
+        then = tuple(slice(*s) if d in dims else slice(None) for d, s in enumerate(per))
+        with whole.as_made():  # the roll was the shift's call
+            rolled = roll(narrow)
+        out = index.getitem(torch.Tensor.__getitem__, (rolled, then), {})
+        aliasing.mark_copied(whole, out, "a slice of a spectrum taken before the transform's "
+                                         "transposes")
+        return out
+
+    return Deferred(x._dec, x.dtype, x.device, lambda: roll(x)._local, take)

@@ -90,6 +90,12 @@ class Deferred(DomainTensor):
                 f"dtype={self.dtype}, device={self.device}, "
                 f"{layout.sharded_dims_text(self._dec)}, local=<computed at its first use>)")
 
+    @property
+    def narrows(self) -> bool:
+        """Local. Whether ``narrowed`` may answer (the block is not computed yet and
+        the rule that made it can slice without it)."""
+        return self._block is None and self._take is not None
+
     def narrowed(self, index: Any) -> DomainTensor | None:
         """Local or collective, as the rule that made it. ``self[index]`` without the
         whole block, or None (then index the block)."""
