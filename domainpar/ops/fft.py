@@ -65,8 +65,11 @@ transforms run on them; its other dims are sliced after. Slices that cut those
 dims alike (``x_ft[..., :m, :m]`` and ``x_ft[..., -m:, :m]``) share one transpose.
 A narrowed dim then takes the grid axis where it can (the plan of step 2 on the
 narrowed sizes, balanced blocks); where no dim can, the whole spectrum answers.
-Such a slice is a copy where one process has a view, so a write into it or
-into the spectrum is refused (``tensor/aliasing.py``). Any other use of the
+An ``fftshift``/``ifftshift`` of such a result is in transit too (neuraloperator
+shifts before it takes the centre band): a slice of it slices the other dims
+first, rolls what that keeps, and slices the shifted dims after. Such a slice
+is a copy where one process has a view, so a write into it or into the spectrum
+is refused (``tensor/aliasing.py``). Any other use of the
 result computes it whole, at the same call on every rank; after that, slices
 index it as any tensor.
 
