@@ -244,16 +244,21 @@ class ShardedFactories(TorchFunctionMode):
         if spec is not None and _plain_call(args, kwargs):
             return _pending(func, args, kwargs, spec, self.seen)
         for a in args:
-            if type(a) is DomainTensor:
+            if _sharded(a):
                 self._note(a._dec)
         out = func(*args, **kwargs)
-        if type(out) is DomainTensor:
+        if _sharded(out):
             self._note(out._dec)
         return out
 
     def _note(self, dec) -> None:
         for d, axis in dec.shard.items():
             self.seen[(dec.global_shape[d], axis)] = (dec.grid, dec.block_sizes(d))
+
+
+def _sharded(a) -> bool:
+    """A DomainTensor that is no pending buffer (a spectrum in transit counts)."""
+    return isinstance(a, DomainTensor) and not isinstance(a, PendingTensor)
 
 
 def _plain_call(args, kwargs) -> bool:
