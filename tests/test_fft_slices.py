@@ -1,4 +1,5 @@
-"""Slices of a spectrum in transit and transforms of zero-padded spectra (ops/fft.py,
+"""Slices of a spectrum in transit and transforms of zero-padded spectra and zero
+buffers (ops/fft.py,
 "Slices of a spectrum"; tensor/deferred.py), against one process (the oracle):
 outputs, input and parameter gradients, float64 and float32, even, uneven,
 zero-size and periodic layouts on 1-, 2- and 3-D grids. Also: what travels (a
@@ -139,6 +140,17 @@ def test_writes_the_slices_cannot_follow_are_refused(kind):
     torch.testing.assert_close(y_ft.full_tensor(), expected)
 
 
+def zero_buffer(a, twice):
+    """neuraloperator's inverse: the modes written into a zero buffer, shifted along
+    H, transformed back (a second write makes the zeros unknown again)."""
+    with dp.sharded_factories():
+        out = torch.zeros(a.shape[:-1] + (48,), dtype=a.dtype)
+        out[..., :6] = a
+        if twice:
+            out[..., 1:3, 30:33] = a[..., 1:3, :3]
+        return torch.fft.irfft2(torch.fft.fftshift(out, dim=-2), s=(10, 94))
+
+
 PADDED = {  # (2, 3, 10, 6) inputs; a pad to 8x the input or more is deferred
     "fno": lambda a: torch.fft.irfft2(F.pad(a, (0, 42)), s=(10, 94)),
     "two dims": lambda a: torch.fft.irfftn(F.pad(a, (0, 18, 0, 10)), s=(20, 46), dim=(2, 3)),
@@ -150,6 +162,8 @@ PADDED = {  # (2, 3, 10, 6) inputs; a pad to 8x the input or more is deferred
         p, s=(10, 94)))[1])(F.pad(b, (0, 42))))(a * 1),
     "padded written": lambda a: (lambda p: (p.add_(1), torch.fft.irfft2(p, s=(10, 94)))[1])(
         F.pad(a * 1, (0, 42))),
+    "a zero buffer, written once, shifted": lambda a: zero_buffer(a, twice=False),
+    "a zero buffer, written twice": lambda a: zero_buffer(a, twice=True),
     "padded used first": lambda a: (lambda p: p.abs().sum() + torch.fft.irfft2(p, s=(10, 94)))(
         F.pad(a, (0, 42))),
 }
@@ -221,3 +235,22 @@ def test_a_shifted_spectrum_moves_only_what_it_keeps(kind, monkeypatch):
     assert everywhere(SIZE == 1 or (len(cells) == 1 and cells[0] <= 2 * 16 * 4)), cells
     want = torch.fft.fftshift(torch.fft.rfft2(global_tensor(shape)), dim=-2)[..., 6:10, :4]
     torch.testing.assert_close(band.full_tensor(), want)
+
+
+def test_a_zero_buffer_moves_only_what_was_written(monkeypatch):
+    """irfft2 of a factory's zero buffer written in its first 4 columns (and shifted
+    along H) carries those 4 columns, not the 40."""
+    shape = (1, 2, 16, 4)
+    grid, shard, sizes = layout(shape, (3,), 1, "even")
+    a = shard_like(torch.complex(global_tensor(shape), global_tensor(shape, seed=1)), grid, shard,
+                   sizes)
+    with dp.sharded_factories():
+        buf = torch.zeros(1, 2, 16, 40, dtype=a.dtype)
+        buf[..., :4] = a  # (moves a onto the buffer's blocks)
+        cells = moved(monkeypatch)
+        out = torch.fft.irfft2(torch.fft.fftshift(buf, dim=-2), s=(16, 78))
+    assert everywhere(SIZE == 1 or (len(cells) == 1 and cells[0] <= 2 * 16 * 4)), cells
+    want = torch.zeros(1, 2, 16, 40, dtype=a.dtype)
+    want[..., :4] = a.full_tensor()
+    torch.testing.assert_close(out.full_tensor(),
+                               torch.fft.irfft2(torch.fft.fftshift(want, dim=-2), s=(16, 78)))

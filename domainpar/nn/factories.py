@@ -51,6 +51,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
 
 from ..ops.index import _expand_index, _int
+from ..ops.pad import mark_zeros_past
 from ..tensor import layout
 from ..tensor.dispatch import UnsupportedOpError, op_name
 from ..tensor.domain_tensor import DomainTensor
@@ -121,8 +122,11 @@ class PendingTensor(DomainTensor):
                     return func(*args, **kwargs)
             if func is T.__setitem__ and len(args) == 3 and _is_domain(args[2]) \
                     and not isinstance(args[1], torch.Tensor):
+                ends = _zero_ends(target, args[1])
                 target._take_layout(args[1], args[2])
-                return DomainTensor.__torch_function__(func, types, args, kwargs)
+                out = DomainTensor.__torch_function__(func, types, args, kwargs)
+                mark_zeros_past(target, ends)  # a transform need not carry those zeros
+                return out
         return func(*pytree.tree_map(_resolved, args), **pytree.tree_map(_resolved, kwargs))
 
     def _take_layout(self, index, value: DomainTensor) -> None:
@@ -195,6 +199,23 @@ def _region_dims(index, shape) -> tuple[list, list]:
             raise _refusal(f"the index holds a {type(it).__name__} (only ints, slices, None "
                            f"and Ellipsis lay a buffer out)")
     return dims, sizes
+
+
+def _zero_ends(buf: PendingTensor, index) -> dict[int, int]:
+    """``{dim: end}`` of a zero buffer written at ``index``: the dims along which
+    the region is a slice ``[0:end]`` with ``end`` short of the dim (zeros past it)."""
+    if buf._recipe.kind != "zeros":
+        return {}
+    shape, ends, d = tuple(buf.shape), {}, 0
+    for it in _expand_index(T.__setitem__, index, len(shape)):
+        if it is None:
+            continue
+        if isinstance(it, slice):
+            start, stop, step = it.indices(shape[d])
+            if start == 0 and step == 1 and stop < shape[d]:
+                ends[d] = max(stop, 0)
+        d += 1
+    return ends
 
 
 def _layout_for(buf: PendingTensor, index, value: DomainTensor):

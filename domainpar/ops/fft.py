@@ -391,14 +391,22 @@ def _take(func, fam: _Family, norm, start, done, left, cache, whole: Deferred, k
 
 
 def _unpadded(x: DomainTensor, dims) -> DomainTensor:
-    """The tensor that ``x`` is a zero pad of, where ``x`` is a deferred pad
-    (``ops/pad.py``) not computed yet that widened only transform dims: a transform
-    of given lengths pads (or trims) with the same zeros. Else ``x``."""
+    """What ``x`` holds without its zero tails along transform dims, which a transform
+    of given lengths pads (or trims) with alike: the input of a deferred zero pad
+    (``ops/pad.py``) not computed yet that widened only transform dims; or ``x``
+    up to the ends past which it is known to hold zeros (``pad.zeros_past``: a
+    factory's zero buffer written below them). Else ``x``."""
     mark = getattr(x, pad.PADDED_FROM, None)
-    if mark is None or not isinstance(x, Deferred) or x._block is not None:
+    if mark is not None and isinstance(x, Deferred) and x._block is None:
+        source, widened = mark
+        return source if set(widened) <= set(dims) else x
+    trim = {d: end for d, end in pad.zeros_past(x).items() if d in dims}
+    if not trim:
         return x
-    source, widened = mark
-    return source if set(widened) <= set(dims) else x
+    local, dec = x._local, x._dec  # zeros past the ends: a transform's own padding
+    for d, end in trim.items():
+        local, dec = index.slice_dim(local, dec, d, 0, end, 1)
+    return DomainTensor(local, dec)
 
 
 def _phases(func, dec: Decomposition, dims, lengths, out_lengths, kind, split):
@@ -447,7 +455,10 @@ def fftshift(func, args, kwargs):
     shifts = [sign * (x.shape[d] // 2) for d in dims]
     if isinstance(x, Deferred) and x.narrows:
         return _shifted_in_transit(x, shifts, list(dims))
-    return index.roll(torch.roll, (x, shifts, list(dims)), {})
+    out = index.roll(torch.roll, (x, shifts, list(dims)), {})
+    # zeros past an end of a dim not shifted stay there (neuraloperator shifts its buffer)
+    pad.mark_zeros_past(out, {d: e for d, e in pad.zeros_past(x).items() if d not in dims})
+    return out
 
 
 TAKES_DEFERRED.update((torch.fft.fftshift, torch.fft.ifftshift))

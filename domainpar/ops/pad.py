@@ -143,6 +143,28 @@ def _constant(x: DomainTensor, pads: dict[int, tuple[int, int]], sharded, out_sh
     return DomainTensor(padded(x._local), out_dec)
 
 
+# -- zero tails: a tensor known to hold zeros past some index of some dims -------------------
+_ZEROS_PAST = "_zeros_past"
+
+
+def mark_zeros_past(t: DomainTensor, ends: dict[int, int]) -> None:
+    """Local. Record that ``t`` holds zeros past index ``ends[d]`` along each dim ``d``
+    (a factory's zero buffer written below those ends, ``nn/factories.py``), for as
+    long as its block is not written again."""
+    if ends:
+        setattr(t, _ZEROS_PAST, (dict(ends), t._local._version))
+
+
+def zeros_past(t: DomainTensor) -> dict[int, int]:
+    """Local. ``{dim: end}``: ``t`` holds zeros past ``end`` along ``dim`` (``{}``
+    when nothing is known, or ``t`` was written since it was marked)."""
+    mark = getattr(t, _ZEROS_PAST, None)
+    if mark is None or (isinstance(t, Deferred) and t._block is None):
+        return {}
+    ends, version = mark
+    return ends if t._local._version == version else {}
+
+
 @register(F.pad, torch.nn.functional.pad, torch._C._nn.pad)
 def pad(func, args, kwargs):
     """Local along unsharded dims; neighbour-wise collective (halo fill) along sharded
