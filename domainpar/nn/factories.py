@@ -24,6 +24,10 @@ device with no data yet, and the first use decides what it is:
   owners. The write itself is then the DomainTensor rule (``ops/index.py``): the
   value is repartitioned onto the region where its blocks differ. Indices are
   global, as in one process.
+  A zero buffer whose first written region is ``[0:end]`` along a dim (end
+  short of the dim) is marked as holding zeros past ``end`` there
+  (``ops/pad.py``, ``zeros_past``) until it is written again: a transform of
+  it then carries only what lies below the end (``ops/fft.py``).
 - any other use (a read, a plain write, an in-place op, ``.shape`` excepted):
   the factory runs as called, whole, and the buffer forwards every torch call to
   that plain tensor from then on; it is the plain tensor one process has.

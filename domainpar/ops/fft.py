@@ -78,7 +78,10 @@ high ends of transform dims only, at least 8 times the input: ``ops/pad.py``)
 transforms the pad's input (a copy of it, made at the pad) with the same
 lengths, as torch pads (or trims) a transform's input with those zeros
 itself: the zeros are neither made, moved nor transformed. A pad already
-computed (used otherwise first, or written) is transformed as it is. A c2r dim whose input is
+computed (used otherwise first, or written) is transformed as it is. Likewise
+a factory's zero buffer written below some end of a dim (``buf[..., :m] = v``
+inside ``sharded_factories``: ``pad.zeros_past``, kept by an ``fftshift`` of
+other dims, forgotten at the next write) is transformed up to that end. A c2r dim whose input is
 narrower than its half spectrum goes last, in a phase of its own, so the other
 dims are transformed over the narrow input only (torch would pad it first).
 
