@@ -370,7 +370,18 @@ class Decomposition:
     def same_blocks(self, other: Decomposition) -> bool:
         """Local. Whether every rank of the grid holds the same cells under both
         layouts (a dim cut over a grid axis of one process is whole, as is one
-        not cut): then moving a block from one to the other moves nothing."""
+        not cut): then moving a block from one to the other moves nothing.
+
+        Parameters
+        ----------
+        other : Decomposition
+            Another layout of the same global shape.
+
+        Returns
+        -------
+        bool
+            True where both are on the same grid and every rank's slices agree.
+        """
         if self == other:
             return True
         return (self.grid is other.grid and self.global_shape == other.global_shape
