@@ -232,9 +232,9 @@ class _Reducer:
         the callable receiving its partial gradient, or None for tensors that are
         not this module's parameters (those are reduced by the op itself)."""
         i = self._index.get(id(p))
-        to_param = None
-        if i is None and domain_params.complex_view_of(p) is not None:  # view_as_complex(param)
-            i, to_param = self._index.get(id(p._base)), torch.view_as_real
+        base = domain_params.complex_view_of(p) if i is None else None
+        if base is not None:  # view_as_complex(parameter): reduced as the parameter
+            i = self._index.get(id(base))
         if i is None:
             return None
         c = self._comm_index.get(id(comm))
@@ -246,8 +246,8 @@ class _Reducer:
                 "DomainParallel: a parameter used on tensors sharded over different grid "
                 "axes in one step; use it outside DomainParallel (per-op reductions)")
         self._uses[i] = self._uses.get(i, 0) + 1
-        if to_param is not None:
-            return lambda grad: self._arrive(i, to_param(grad))
+        if base is not None:
+            return lambda grad: self._arrive(i, torch.view_as_real(grad))
         return lambda grad: self._arrive(i, grad)
 
     def agree_uses(self, failed: bool = False) -> None:

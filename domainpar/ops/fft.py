@@ -361,6 +361,10 @@ def _deferred(func, fam: _Family, norm, start, head, tail, call) -> Deferred:
                     lambda: _run(fam, norm, local, dec, tail)[0], take)
 
 
+# why a slice taken in transit refuses writes (``aliasing.mark_copied``)
+_COPIED = "a slice of a spectrum taken before the transform's transposes"
+
+
 def _take(func, fam: _Family, norm, start, done, left, cache, whole: Deferred, key):
     """``whole[key]``, where ``whole`` is the Deferred of a transform whose phases
     after ``done`` are still to run: the slices of the dims it no longer transforms
@@ -388,8 +392,7 @@ def _take(func, fam: _Family, norm, start, done, left, cache, whole: Deferred, k
             cache[tag] = DomainTensor(*_run(fam, norm, local, dec, phases))
     then = tuple(slice(None) if d in first else slice(*s) for d, s in enumerate(per))
     out = index.getitem(torch.Tensor.__getitem__, (cache[tag], then), {})
-    aliasing.mark_copied(whole, out, "a slice of a spectrum taken before the transform's "
-                                     "transposes")
+    aliasing.mark_copied(whole, out, _COPIED)
     return out
 
 
@@ -399,9 +402,9 @@ def _unpadded(x: DomainTensor, dims) -> DomainTensor:
     (``ops/pad.py``) not computed yet that widened only transform dims; or ``x``
     up to the ends past which it is known to hold zeros (``pad.zeros_past``: a
     factory's zero buffer written below them). Else ``x``."""
-    mark = getattr(x, pad.PADDED_FROM, None)
-    if mark is not None and isinstance(x, Deferred) and x._block is None:
-        source, widened = mark
+    deferred = pad.deferred_input(x)
+    if deferred is not None:
+        source, widened = deferred
         return source if set(widened) <= set(dims) else x
     trim = {d: end for d, end in pad.zeros_past(x).items() if d in dims}
     if not trim:
@@ -486,8 +489,7 @@ def _shifted_in_transit(x: Deferred, shifts, dims) -> Deferred:
         with whole.as_made():  # the roll was the shift's call
             rolled = roll(narrow)
         out = index.getitem(torch.Tensor.__getitem__, (rolled, then), {})
-        aliasing.mark_copied(whole, out, "a slice of a spectrum taken before the transform's "
-                                         "transposes")
+        aliasing.mark_copied(whole, out, _COPIED)
         return out
 
     return Deferred(x._dec, x.dtype, x.device, lambda: roll(x)._local, take)

@@ -50,7 +50,7 @@ from .common import bind
 
 _MODES = ("constant", "reflect", "replicate", "circular")
 # A deferred zero pad's mark on its result: (a copy of its input, the widened dims).
-PADDED_FROM = "_zero_padded_from"
+_PADDED_FROM = "_zero_padded_from"
 _DEFER = 8  # a zero pad to at least this many times its input is deferred
 
 
@@ -138,9 +138,16 @@ def _constant(x: DomainTensor, pads: dict[int, tuple[int, int]], sharded, out_sh
             and _DEFER * math.prod(x.shape) <= math.prod(out_shape):
         snapshot = DomainTensor(x._local.clone(), dec)  # later writes into x do not reach it
         result = Deferred(out_dec, x.dtype, x.device, lambda: padded(snapshot._local))
-        setattr(result, PADDED_FROM, (snapshot, widened))
+        setattr(result, _PADDED_FROM, (snapshot, widened))
         return result
     return DomainTensor(padded(x._local), out_dec)
+
+
+def deferred_input(t: DomainTensor) -> tuple[DomainTensor, tuple[int, ...]] | None:
+    """Local. (a copy of its input, the dims it widened) where ``t`` is a deferred
+    zero pad whose block is not computed yet; else None."""
+    mark = getattr(t, _PADDED_FROM, None)
+    return mark if mark is not None and isinstance(t, Deferred) and t._block is None else None
 
 
 # -- zero tails: a tensor known to hold zeros past some index of some dims -------------------
@@ -158,8 +165,8 @@ def mark_zeros_past(t: DomainTensor, ends: dict[int, int]) -> None:
 def zeros_past(t: DomainTensor) -> dict[int, int]:
     """Local. ``{dim: end}``: ``t`` holds zeros past ``end`` along ``dim`` (``{}``
     when nothing is known, or ``t`` was written since it was marked)."""
-    mark = getattr(t, _ZEROS_PAST, None)
-    if mark is None or (isinstance(t, Deferred) and t._block is None):
+    mark = getattr(t, _ZEROS_PAST, None)  # (marked on computed blocks only)
+    if mark is None:
         return {}
     ends, version = mark
     return ends if t._local._version == version else {}
