@@ -9,7 +9,7 @@ import pytest
 from mpi4py import MPI
 
 import domainpar as dp
-from domainpar.comm import allgatherv, allreduce, gatherv, repartition, scatterv
+from domainpar.comm import allgatherv, allreduce, bcast, gatherv, repartition, scatterv
 from domainpar.testing import adjoint_error
 from layouts import global_array, random_decomposition, random_layout
 
@@ -98,15 +98,26 @@ def test_allreduce_on_a_sub_communicator_and_empty_arrays():
     assert t.detach().tolist() == [float(SIZE)] * 4
 
 
+@pytest.mark.parametrize("check", [True, False])
+@pytest.mark.parametrize("kind", ["numpy", "torch"])
+def test_bcast_copies_the_roots_values(check, kind):
+    for root in sorted({0, SIZE - 1}):
+        a = np.arange(12.0).reshape(3, 4) + 100 * RANK
+        a = torch.from_numpy(a) if kind == "torch" else a
+        assert bcast(a, COMM, root, check=check) is a
+        np.testing.assert_array_equal(np.asarray(a), np.arange(12.0).reshape(3, 4) + 100 * root)
+
+
 # -- allgatherv, scatterv, gatherv ----------------------------------------------------------------
 @pytest.mark.parametrize("grid_ndim,seed", list(itertools.product(GRID_NDIMS, SEEDS)))
 def test_allgatherv_equals_the_global_array(grid_ndim, seed):
     _, dec, _ = random_layout(seed, COMM, grid_ndim)
     glob = global_array(dec.global_shape, seed)
     block = glob[dec.local_slices()]
-    out = allgatherv(block, dec)
-    assert isinstance(out, np.ndarray) and out.dtype == glob.dtype
-    np.testing.assert_array_equal(out, glob, err_msg=repr(dec))
+    for check in (True, False):
+        out = allgatherv(block, dec, check=check)
+        assert isinstance(out, np.ndarray) and out.dtype == glob.dtype
+        np.testing.assert_array_equal(out, glob, err_msg=f"{dec} check={check}")
 
 
 def test_allgatherv_torch_and_non_contiguous_blocks():
@@ -180,13 +191,36 @@ def test_scatterv_from_a_torch_tensor():
 
 # -- repartition ------------------------------------------------------------------------------------
 def check_repartition(src, dst, seed, dtype=np.float64):
+    """There and back, with and without the agreement check (the autograd layer's)."""
     glob = typed(global_array(src.global_shape, seed), dtype)
     block = glob[src.local_slices()]
-    out = repartition(block, src, dst)
-    assert out.shape == dst.local_shape() and out.dtype == glob.dtype
-    np.testing.assert_array_equal(out, glob[dst.local_slices()], err_msg=f"{src} -> {dst}")
-    back = repartition(out, dst, src)
-    np.testing.assert_array_equal(back, block, err_msg=f"{dst} -> {src}")
+    for check in (True, False):
+        out = repartition(block, src, dst, check=check)
+        assert out.shape == dst.local_shape() and out.dtype == glob.dtype
+        np.testing.assert_array_equal(out, glob[dst.local_slices()],
+                                      err_msg=f"{src} -> {dst} check={check}")
+        back = repartition(out, dst, src, check=check)
+        np.testing.assert_array_equal(back, block, err_msg=f"{dst} -> {src} check={check}")
+
+
+def test_unchecked_collectives_send_no_agreement(monkeypatch):
+    """check=False (the autograd layer: blocks follow from agreed layouts) skips the
+    agreement allreduce that check=True sends; a repartition whose blocks stay far
+    from MPI's count limit sends none either."""
+    from domainpar.comm import collectives
+    grid = dp.ProcessGrid((0,))
+    src = dp.Decomposition((3, 2 * SIZE + 1), grid, shard={1: 0})
+    dst = dp.Decomposition((3, 2 * SIZE + 1), grid, shard={0: 0})
+    block = global_array(src.global_shape, 7)[src.local_slices()]
+    calls = []
+    real = collectives.agree
+    monkeypatch.setattr(collectives, "agree", lambda *a, **k: (calls.append(a), real(*a, **k)))
+    for check in (True, False):
+        calls.clear()
+        repartition(block, src, dst, check=check)
+        allgatherv(block, src, check=check)
+        bcast(np.zeros(3), COMM, check=check)
+        assert len(calls) == (3 if check else 0), check
 
 
 @pytest.mark.parametrize("grid_ndim,seed", list(itertools.product(GRID_NDIMS, range(20))))

@@ -15,7 +15,7 @@ from mpi4py import MPI
 
 import domainpar as dp
 from domainpar import LayoutError, MismatchError
-from domainpar.comm import allgatherv, allreduce, gatherv, repartition, scatterv
+from domainpar.comm import allgatherv, allreduce, bcast, gatherv, repartition, scatterv
 from domainpar.testing import raises_on_every_rank
 
 pytestmark = [pytest.mark.mpi, pytest.mark.timeout(60)]
@@ -252,6 +252,37 @@ def test_repartition_over_the_count_limit_on_one_rank(monkeypatch):
         monkeypatch.setattr(collectives, "_MAX_COUNT", 8)
     raises_on_every_rank(LayoutError, [f"rank {LAST}: repartition:", "exceed MPI's count limit"],
                          lambda: repartition(block_of(src), src, dst), exact=True)
+
+
+def test_unchecked_repartition_near_the_count_limit_on_one_rank(monkeypatch):
+    """check=False (the autograd layer) skips the agreement, except where some
+    rank's block could reach MPI's count limit: then the rank whose messages pass
+    it (the one with the largest block) still makes every rank raise."""
+    from domainpar.comm import collectives
+    src, dst = layouts()
+    largest = max(int(np.prod(dst.local_shape(r))) for r in range(SIZE)) * 8
+    monkeypatch.setattr(collectives, "_MAX_COUNT", largest - 1)  # on every rank alike
+    over = [r for r in range(SIZE) if int(np.prod(dst.local_shape(r))) * 8 == largest]
+    raises_on_every_rank(LayoutError, [f"rank {over[0]}: repartition:",
+                                       "exceed MPI's count limit"],
+                         lambda: repartition(block_of(src), src, dst, check=False))
+
+
+def test_unchecked_bcast_refuses_a_strided_array():
+    """check=False trusts that shapes agree, not that the array can be written."""
+    with pytest.raises(LayoutError, match="bcast: the array must be C-contiguous"):
+        bcast(np.zeros((4, 4))[:, ::2], COMM, check=False)
+
+
+@pytest.mark.parametrize("name", ["allgatherv", "repartition"])
+def test_unchecked_collectives_refuse_a_block_that_does_not_fit(name):
+    """check=False trusts the caller's layout, not its blocks: a block of another
+    shape is refused before any message, by the rank that holds it (here every rank)."""
+    src, dst = layouts()
+    call = {"allgatherv": lambda a: allgatherv(a, src, check=False),
+            "repartition": lambda a: repartition(a, src, dst, check=False)}[name]
+    with pytest.raises(LayoutError, match=f"{name}: block shape .* does not match"):
+        call(block_of(src, extra=1))
 
 
 @pytest.mark.parametrize("root", sorted({0, LAST}))

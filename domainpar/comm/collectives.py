@@ -11,6 +11,7 @@ operation's result is one (allgatherv, gatherv on the root).
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any, TypeAlias, TypeVar
 
@@ -127,6 +128,19 @@ def _check_block(op: str, dec: Decomposition, arr_or_exc: Array | Exception | No
           what=what, described=described)
 
 
+def _check_own_block(op: str, dec: Decomposition, arr_or_exc: Array | Exception,
+                     problem: str | None = None) -> None:
+    """Local. ``_check_block`` for callers whose blocks follow from a layout every
+    rank shares: a block that does not fit is a caller's bug, raised on this rank."""
+    if problem is not None:
+        raise LayoutError(problem)
+    if isinstance(arr_or_exc, Exception):
+        raise LayoutError(f"{op}: {arr_or_exc}")
+    if tuple(arr_or_exc.shape) != dec.local_shape():
+        raise LayoutError(f"{op}: block shape {tuple(arr_or_exc.shape)} does not match the "
+                          f"decomposition's local shape {dec.local_shape()}")
+
+
 def _root_problem(op: str, root: object, size: int) -> str | None:
     if isinstance(root, (bool, np.bool_)) or not isinstance(root, (int, np.integer)) \
             or not 0 <= root < size:
@@ -213,18 +227,25 @@ def iallreduce(a: Any, comm: MPI.Comm, op: str = "sum") -> PendingReduction:
 
 
 @blocking
-def bcast(a: _A, comm: MPI.Comm, root: int = 0) -> _A:
+def bcast(a: _A, comm: MPI.Comm, root: int = 0, *, check: bool = True) -> _A:
     """Collective over ``comm``. ``root``'s values of the C-contiguous array ``a``
-    copied into every rank's ``a`` (same shape and dtype everywhere, checked)."""
+    copied into every rank's ``a`` (same shape and dtype everywhere).
+
+    ``check`` first makes every rank agree on shape and dtype (one more small
+    allreduce); ``check=False`` is for callers whose arrays follow from a layout
+    every rank shares (the op rules)."""
     arr = _as_array_or_error(a)
     problem = None
     if isinstance(arr, Exception):
         problem = f"bcast: {arr}"
     elif not arr.flags.c_contiguous:
         problem = "bcast: the array must be C-contiguous (it is written in place)"
-    shape = "?" if isinstance(arr, Exception) else f"{arr.dtype}{tuple(arr.shape)}"
-    agree(comm, problem, signature=signature_of(shape), what="bcast shapes or dtypes",
-          described=shape)
+    if check:
+        shape = "?" if isinstance(arr, Exception) else f"{arr.dtype}{tuple(arr.shape)}"
+        agree(comm, problem, signature=signature_of(shape), what="bcast shapes or dtypes",
+              described=shape)
+    elif problem:
+        raise LayoutError(problem)
     assert not isinstance(arr, Exception)  # else agree raised, on every rank
     if comm.Get_size() == 1 or arr.size == 0:
         return a
@@ -250,12 +271,19 @@ def _members(dec: Decomposition, comm: MPI.Cartcomm) -> list[int]:
 
 
 @blocking
-def allgatherv(block: Any, dec: Decomposition) -> Array:
+def allgatherv(block: Any, dec: Decomposition, *, check: bool = True) -> Array:
     """Collective. The global array assembled from every rank's block, on every
     rank (numpy or CuPy, where ``block`` lives). Each group of replicas gathers
-    among itself, so replicated axes cost nothing extra."""
+    among itself, so replicated axes cost nothing extra.
+
+    ``check`` first makes every rank agree that its block fits ``dec`` and on the
+    dtype (one small allreduce); ``check=False`` is for callers whose blocks
+    follow from a layout every rank shares (the autograd layer)."""
     arr = _as_array_or_error(block)
-    _check_block("allgatherv", dec, arr)
+    if check:
+        _check_block("allgatherv", dec, arr)
+    else:
+        _check_own_block("allgatherv", dec, arr)
     assert not isinstance(arr, Exception)  # else _check_block raised, on every rank
     out = buffers.empty(dec.global_shape, arr.dtype, arr)
     comm = dec.grid.sub(dec.shard.values())
@@ -355,7 +383,8 @@ def mirror_exchange(send: Any, recv: Any, comm: MPI.Comm) -> None:
 
 # -- repartition ------------------------------------------------------------------------------
 @blocking
-def repartition(block: Any, src: Decomposition, dst: Decomposition) -> Array:
+def repartition(block: Any, src: Decomposition, dst: Decomposition, *,
+                check: bool = True) -> Array:
     """Collective. Move data laid out by ``src`` into the layout ``dst`` of the
     same global shape on the same grid, or on a grid of the same processes
     (``ProcessGrid.merged``: a dim cut over several grid axes) (alltoallv):
@@ -365,6 +394,12 @@ def repartition(block: Any, src: Decomposition, dst: Decomposition) -> Array:
 
     A destination block takes each piece from the source rank that shares its
     coordinates on the axes ``src`` replicates, so replicas never send twice.
+
+    ``check`` first makes every rank agree that its block fits ``src`` and on the
+    dtype (one small allreduce); ``check=False`` is for callers whose blocks
+    follow from a layout every rank shares (the autograd layer). Either way every
+    rank raises alike on layouts that do not fit, the count limit included: a
+    rank's message sizes are checked where any rank's block could reach it.
     """
     arr = _as_array_or_error(block)
     problem = plan = None
@@ -374,12 +409,18 @@ def repartition(block: Any, src: Decomposition, dst: Decomposition) -> Array:
     elif src.global_shape != dst.global_shape:
         problem = (f"repartition: global shapes differ ({src.global_shape} -> "
                    f"{dst.global_shape})")
-    elif not isinstance(arr, Exception):
+    if not check and not isinstance(arr, Exception) and (
+            problem is not None or not _within_count(src, dst, arr.dtype.itemsize)):
+        check = True  # a problem every rank shares, or one this rank alone may meet
+    if problem is None and not isinstance(arr, Exception):
         try:  # this rank's message sizes: over the count limit on one rank only
             plan = _repartition_plan(src, dst, arr.dtype.itemsize)
         except LayoutError as exc:
             problem = f"repartition: {exc}"
-    _check_block("repartition", src, arr, problem)
+    if check:
+        _check_block("repartition", src, arr, problem)
+    else:
+        _check_own_block("repartition", src, arr, problem)
     assert plan is not None and not isinstance(arr, Exception)  # else _check_block raised
     (send_boxes, scounts, sdispls), (recv_boxes, rcounts, rdispls) = plan
     send = _pack_boxes(arr, send_boxes, arr.dtype.itemsize)
@@ -421,6 +462,20 @@ def _repartition_plan(src: Decomposition, dst: Decomposition,
             recv_boxes.append(_shift(in_box, dst.offsets()))
     return ((send_boxes, *_byte_counts(send_sizes, itemsize)),
             (recv_boxes, *_byte_counts(recv_sizes, itemsize)))
+
+
+def _within_count(src: Decomposition, dst: Decomposition, itemsize: int) -> bool:
+    """Local, the same on every rank. Whether no rank's repartition from ``src`` to
+    ``dst`` can pass MPI's count limit: what a rank sends is at most its source
+    block, what it receives at most its destination block, and neither is larger
+    than the largest block along each dim taken together."""
+    return max(_largest_block(src), _largest_block(dst)) * itemsize <= _MAX_COUNT
+
+
+@functools.lru_cache(maxsize=1024)
+def _largest_block(dec: Decomposition) -> int:
+    """Local. An upper bound on any rank's block cells under ``dec``."""
+    return math.prod(max(dec.block_sizes(d)) for d in range(len(dec.global_shape)))
 
 
 def _box_size(box: Box | None) -> int:

@@ -119,7 +119,7 @@ def feature_dropout(func, args, kwargs):
     # the spatial sub-communicator (same shape on each) and taken from its first.
     noise = torch.empty(tuple(local.shape[:ch + 1]) + (1,) * len(spatial), dtype=local.dtype,
                         device=local.device).bernoulli_(1 - p)
-    collectives.bcast(to_array(noise), comm, root=0)
+    collectives.bcast(to_array(noise), comm, root=0, check=False)
     if func is F.feature_alpha_dropout:
         a = 1.0 / math.sqrt((_ALPHA * _ALPHA * p + 1) * (1 - p))
         shift = noise.add(-1).mul_(_ALPHA * a).add_(_ALPHA * a * p)
