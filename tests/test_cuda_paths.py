@@ -15,7 +15,7 @@ from mpi4py import MPI
 
 import domainpar as dp
 from domainpar import cli
-from domainpar.comm import buffers, collectives, runtime
+from domainpar.comm import buffers, collectives, pairwise, runtime
 from domainpar.comm import halo as halo_module
 from domainpar.testing import adjoint_error
 from layouts import global_array, random_layout, reference_fill
@@ -256,10 +256,10 @@ def test_collectives_on_both_paths(fake_gpu):
     collectives.bcast(c, comm, root=size - 1)
     assert (np.asarray(c) == size - 1).all() and settled()
     send, recv = np.arange(4.0).view(FakeDevice) + rank, np.zeros(4).view(FakeDevice)
-    collectives.mirror_exchange(send, recv, comm)
+    pairwise.mirror_exchange(send, recv, comm)
     assert (np.asarray(recv) == np.arange(4.0) + size - 1 - rank).all() and settled()
     recv = np.zeros(4).view(FakeDevice)
-    collectives.ring_shift([send], [recv], comm).wait()
+    pairwise.ring_shift([send], [recv], comm).wait()
     assert (np.asarray(recv) == np.arange(4.0) + (rank - 1) % size).all() and settled()
     if size > 1:
         assert comm.saw_device is (path == "direct")

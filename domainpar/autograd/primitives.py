@@ -35,7 +35,7 @@ from typing import Any
 import torch
 from mpi4py import MPI
 
-from ..comm import HaloExchange, collectives
+from ..comm import HaloExchange, collectives, pairwise
 from ..comm.decomposition import Decomposition
 from ._arrays import from_array, to_array
 
@@ -253,7 +253,7 @@ class MirrorExchange(torch.autograd.Function):
 
 def _mirror(block: torch.Tensor, comm: MPI.Comm, recv_shape: tuple[int, ...]) -> torch.Tensor:
     out = torch.empty(recv_shape, dtype=block.dtype, device=block.device)
-    collectives.mirror_exchange(to_array(block), to_array(out), comm)
+    pairwise.mirror_exchange(to_array(block), to_array(out), comm)
     return out
 
 
@@ -279,5 +279,5 @@ class RingShift(torch.autograd.Function):
 
 def _ring(block: torch.Tensor, comm: MPI.Comm, recv_shape: tuple[int, ...], shift: int) -> torch.Tensor:
     out = torch.empty(recv_shape, dtype=block.dtype, device=block.device)
-    collectives.ring_shift([to_array(block)], [to_array(out)], comm, shift).wait()
+    pairwise.ring_shift([to_array(block)], [to_array(out)], comm, shift).wait()
     return out

@@ -1,6 +1,7 @@
-"""Collectives on arrays laid out by a Decomposition: allreduce, allgatherv,
-scatterv, gatherv and repartition (alltoallv); and the nonblocking ring shift
-along one grid axis (ring attention's point-to-point messages).
+"""Collectives on arrays laid out by a Decomposition: allreduce, bcast,
+allgatherv, scatterv, gatherv and repartition (alltoallv). The pairwise
+exchanges along one grid axis (a flip's mirror exchange, ring attention's ring
+shift) are in ``pairwise``.
 
 Block data travels as bytes, so every dtype numpy or CuPy knows (complex,
 float16, bool) moves unchanged; only allreduce needs MPI arithmetic types.
@@ -13,19 +14,17 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Iterable, Sequence
-from typing import TYPE_CHECKING, Any, TypeAlias, TypeVar
+from typing import Any, TypeAlias, TypeVar
 
 import numpy as np
 from mpi4py import MPI
 
-from . import buffers, packing, runtime
+from . import buffers, packing
 from .buffers import Array
 from .clock import blocking, starting
 from .decomposition import Decomposition
 from .errors import LayoutError, agree, signature_of
-
-if TYPE_CHECKING:
-    from mpi4py.typing import BufSpec
+from .wire import copy_back, from_wire, to_wire
 
 Box: TypeAlias = tuple[slice, ...]
 # One side of a repartition plan: boxes, byte counts, byte displacements.
@@ -34,31 +33,6 @@ _A = TypeVar("_A")
 
 _OPS = {"sum": MPI.SUM, "max": MPI.MAX, "min": MPI.MIN, "prod": MPI.PROD}
 _MAX_COUNT = 2**31 - 1  # MPI-3 counts are C ints
-
-
-# -- wire helpers -------------------------------------------------------------------------
-def _to_wire(arr: Array) -> Array:
-    """What MPI may touch for ``arr``: itself, or a host copy when ``arr`` is on
-    a GPU and MPI is not CUDA-aware. Waits for the producing stream first."""
-    buffers.synchronize(arr)
-    if buffers.is_device(arr) and runtime.stages_device_buffers():
-        return arr.get()
-    return arr
-
-
-def _from_wire(wire: Array, like: Array) -> Array:
-    """``wire`` moved back to where ``like`` lives."""
-    if buffers.is_device(like) and isinstance(wire, np.ndarray):
-        return buffers.namespace(like).asarray(wire)
-    return wire
-
-
-def _copy_back(wire: Array, arr: Array) -> None:
-    """Copy a result received in ``wire`` into the caller's ``arr`` and wait for
-    the copy: on a GPU it runs on CuPy's stream, and the caller may go on on
-    another one (a torch side stream) that nothing orders after it."""
-    buffers.namespace(arr).copyto(arr, _from_wire(wire, arr).reshape(arr.shape))
-    buffers.synchronize(arr)
 
 
 def _byte_counts(sizes: Iterable[int], itemsize: int) -> tuple[list[int], list[int]]:
@@ -141,6 +115,20 @@ def _check_own_block(op: str, dec: Decomposition, arr_or_exc: Array | Exception,
                           f"decomposition's local shape {dec.local_shape()}")
 
 
+def _check_shape(op: str, comm: MPI.Comm, arr_or_exc: Array | Exception, problem: str | None,
+                 check: bool) -> None:
+    """Collective where ``check``: every rank agrees on the array's shape and dtype
+    and raises alike on any rank's ``problem``. Local otherwise (callers whose
+    arrays follow from a layout every rank shares): ``problem`` raised here."""
+    if check:
+        shape = ("?" if isinstance(arr_or_exc, Exception)
+                 else f"{arr_or_exc.dtype}{tuple(arr_or_exc.shape)}")
+        agree(comm, problem, signature=signature_of(shape), what=f"{op} shapes or dtypes",
+              described=shape)
+    elif problem:
+        raise LayoutError(problem)
+
+
 def _root_problem(op: str, root: object, size: int) -> str | None:
     if isinstance(root, (bool, np.bool_)) or not isinstance(root, (int, np.integer)) \
             or not 0 <= root < size:
@@ -175,20 +163,15 @@ def allreduce(a: _A, comm: MPI.Comm, op: str = "sum", *, check: bool = True) -> 
             MPI._typedict[arr.dtype.char]
         except KeyError:
             problem = f"allreduce: MPI has no arithmetic type for dtype {arr.dtype}"
-    if check:
-        shape = "?" if isinstance(arr, Exception) else f"{arr.dtype}{tuple(arr.shape)}"
-        agree(comm, problem, signature=signature_of(shape), what="allreduce shapes or dtypes",
-              described=shape)
-    elif problem:
-        raise LayoutError(problem)
+    _check_shape("allreduce", comm, arr, problem, check)
     assert not isinstance(arr, Exception)  # else agree raised, on every rank
     if comm.Get_size() == 1 or arr.size == 0:
         return a
     work = arr if arr.flags.c_contiguous else buffers.namespace(arr).ascontiguousarray(arr)
-    wire = _to_wire(work)
+    wire = to_wire(work)
     comm.Allreduce(MPI.IN_PLACE, wire, op=_OPS[op])
     if wire is not arr:
-        _copy_back(wire, arr)
+        copy_back(wire, arr)
     return a
 
 
@@ -210,7 +193,7 @@ class PendingReduction:
         until it is complete and the result is in the caller's array."""
         self.request.Wait()
         if self._wire is not self._arr:
-            _copy_back(self._wire, self._arr)
+            copy_back(self._wire, self._arr)
 
 
 @starting
@@ -222,7 +205,7 @@ def iallreduce(a: Any, comm: MPI.Comm, op: str = "sum") -> PendingReduction:
     arr = buffers.as_array(a)
     if not arr.flags.c_contiguous:
         raise LayoutError("iallreduce needs a C-contiguous array (it reduces in place)")
-    wire = _to_wire(arr)
+    wire = to_wire(arr)
     return PendingReduction(comm.Iallreduce(MPI.IN_PLACE, wire, op=_OPS[op]), wire, arr)
 
 
@@ -240,19 +223,14 @@ def bcast(a: _A, comm: MPI.Comm, root: int = 0, *, check: bool = True) -> _A:
         problem = f"bcast: {arr}"
     elif not arr.flags.c_contiguous:
         problem = "bcast: the array must be C-contiguous (it is written in place)"
-    if check:
-        shape = "?" if isinstance(arr, Exception) else f"{arr.dtype}{tuple(arr.shape)}"
-        agree(comm, problem, signature=signature_of(shape), what="bcast shapes or dtypes",
-              described=shape)
-    elif problem:
-        raise LayoutError(problem)
+    _check_shape("bcast", comm, arr, problem, check)
     assert not isinstance(arr, Exception)  # else agree raised, on every rank
     if comm.Get_size() == 1 or arr.size == 0:
         return a
-    wire = _to_wire(arr)
+    wire = to_wire(arr)
     comm.Bcast([wire.reshape(-1).view(np.uint8), MPI.BYTE], root=root)
     if wire is not arr:
-        _copy_back(wire, arr)
+        copy_back(wire, arr)
     return a
 
 
@@ -291,11 +269,11 @@ def allgatherv(block: Any, dec: Decomposition, *, check: bool = True) -> Array:
     boxes = [dec.local_slices(r) for r in members]
     itemsize = arr.dtype.itemsize
     counts, displs = _byte_counts([int(np.prod(dec.local_shape(r))) for r in members], itemsize)
-    send = _to_wire(buffers.namespace(arr).ascontiguousarray(arr))
-    recv = _to_wire(buffers.empty((sum(counts),), np.uint8, arr))
+    send = to_wire(buffers.namespace(arr).ascontiguousarray(arr))
+    recv = to_wire(buffers.empty((sum(counts),), np.uint8, arr))
     comm.Allgatherv([send.reshape(-1).view(np.uint8), MPI.BYTE],
                     [recv, (counts, displs), MPI.BYTE])
-    _unpack_boxes(_from_wire(recv, arr), out, boxes, itemsize)
+    _unpack_boxes(from_wire(recv, arr), out, boxes, itemsize)
     return out
 
 
@@ -313,15 +291,15 @@ def gatherv(block: Any, dec: Decomposition, root: int = 0) -> Array | None:
     sizes = [int(np.prod(dec.local_shape(r))) if r in senders else 0 for r in range(grid.size)]
     counts, displs = _byte_counts(sizes, itemsize)
     mine = arr if grid.rank in senders else arr[tuple(slice(0, 0) for _ in arr.shape)]
-    send = _to_wire(buffers.namespace(arr).ascontiguousarray(mine))
+    send = to_wire(buffers.namespace(arr).ascontiguousarray(mine))
     if grid.rank != root:
         grid.comm.Gatherv([send.reshape(-1).view(np.uint8), MPI.BYTE], None, root=root)
         return None
-    recv = _to_wire(buffers.empty((sum(counts),), np.uint8, arr))
+    recv = to_wire(buffers.empty((sum(counts),), np.uint8, arr))
     grid.comm.Gatherv([send.reshape(-1).view(np.uint8), MPI.BYTE],
                       [recv, (counts, displs), MPI.BYTE], root=root)
     out = buffers.empty(dec.global_shape, arr.dtype, arr)
-    _unpack_boxes(_from_wire(recv, arr), out, [dec.local_slices(r) for r in senders], itemsize)
+    _unpack_boxes(from_wire(recv, arr), out, [dec.local_slices(r) for r in senders], itemsize)
     return out
 
 
@@ -349,36 +327,13 @@ def scatterv(global_array: Any, dec: Decomposition, root: int = 0) -> Array:
         [int(np.prod(dec.local_shape(r))) for r in range(grid.size)], itemsize)
     recv_host = np.empty(counts[grid.rank], np.uint8)
     if grid.rank == root:
-        send = _to_wire(_pack_boxes(arr, [dec.local_slices(r) for r in range(grid.size)],
+        send = to_wire(_pack_boxes(arr, [dec.local_slices(r) for r in range(grid.size)],
                                     itemsize))
         grid.comm.Scatterv([send, (counts, displs), MPI.BYTE], [recv_host, MPI.BYTE], root=root)
     else:
         grid.comm.Scatterv(None, [recv_host, MPI.BYTE], root=root)
     block = recv_host.view(dtype).reshape(dec.local_shape())
     return buffers.to_device(block) if on_device else block
-
-
-# -- mirror exchange ---------------------------------------------------------------------------
-@blocking
-def mirror_exchange(send: Any, recv: Any, comm: MPI.Comm) -> None:
-    """Pairwise collective over ``comm`` (one grid axis). Send the contiguous array
-    ``send`` to the rank at the mirrored position ``size - 1 - rank`` and receive
-    that rank's array into the contiguous ``recv`` (a flip along a sharded dim
-    moves block ``c`` to coordinate ``P-1-c``). The middle rank of an odd axis
-    copies to itself. Shapes follow from a layout every rank shares, so there
-    is no agreement check."""
-    send_arr, recv_arr = buffers.as_array(send), buffers.as_array(recv)
-    partner = comm.Get_size() - 1 - comm.Get_rank()
-    if partner == comm.Get_rank():
-        buffers.namespace(recv_arr).copyto(recv_arr, send_arr.reshape(recv_arr.shape))
-        buffers.synchronize(recv_arr)  # as after _copy_back
-        return
-    wire_send, wire_recv = _to_wire(send_arr), _to_wire(recv_arr)
-    comm.Sendrecv([wire_send.reshape(-1).view(np.uint8), MPI.BYTE], dest=partner, sendtag=71,
-                  recvbuf=[wire_recv.reshape(-1).view(np.uint8), MPI.BYTE], source=partner,
-                  recvtag=71)
-    if wire_recv is not recv_arr:  # staged through the host: back to the device
-        _copy_back(wire_recv, recv_arr)
 
 
 # -- repartition ------------------------------------------------------------------------------
@@ -425,11 +380,11 @@ def repartition(block: Any, src: Decomposition, dst: Decomposition, *,
     (send_boxes, scounts, sdispls), (recv_boxes, rcounts, rdispls) = plan
     send = _pack_boxes(arr, send_boxes, arr.dtype.itemsize)
     recv = buffers.empty((sum(rcounts),), np.uint8, arr)
-    wire_send, wire_recv = _to_wire(send), _to_wire(recv)
+    wire_send, wire_recv = to_wire(send), to_wire(recv)
     src.grid.comm.Alltoallv([wire_send, (scounts, sdispls), MPI.BYTE],
                             [wire_recv, (rcounts, rdispls), MPI.BYTE])
     out = buffers.empty(dst.local_shape(), arr.dtype, arr)
-    _unpack_boxes(_from_wire(wire_recv, arr), out, recv_boxes, arr.dtype.itemsize)
+    _unpack_boxes(from_wire(wire_recv, arr), out, recv_boxes, arr.dtype.itemsize)
     return out
 
 
@@ -480,78 +435,3 @@ def _largest_block(dec: Decomposition) -> int:
 
 def _box_size(box: Box | None) -> int:
     return 0 if box is None else int(np.prod([s.stop - s.start for s in box]))
-
-
-# -- ring shift (point to point along one grid axis) --------------------------------------------
-RING_TAG = 83  # tags RING_TAG + i for the i-th array of one shift
-
-
-class PendingShift:
-    """A started ``ring_shift``: ``test()`` drives it on, ``wait()`` completes it
-    (and copies receives staged through the host back to the device)."""
-
-    def __init__(self, requests: list[MPI.Request], staged: list[tuple[Array, Array]],
-                 keep: list[Array]) -> None:
-        self.requests, self._staged, self._keep = requests, staged, keep
-
-    def test(self) -> bool:
-        """Let MPI move the messages on (without a progress thread it does so only
-        inside calls); True once every message has arrived."""
-        return not self.requests or MPI.Request.Testall(self.requests)
-
-    @blocking
-    def wait(self) -> None:
-        """Neighbour-wise collective (completes the shift the ring neighbours started).
-        Block until every message has arrived and staged receives are copied back to
-        the device."""
-        if self.requests:
-            MPI.Request.Waitall(self.requests)
-        for wire, arr in self._staged:
-            _copy_back(wire, arr)
-        self.requests, self._staged, self._keep = [], [], []
-
-
-def _bytes_of(arr: Array) -> BufSpec:
-    if not arr.flags.c_contiguous:
-        raise LayoutError("ring_shift needs C-contiguous arrays (they are sent and received "
-                          "in place)")
-    return [arr.reshape(-1).view(np.uint8), MPI.BYTE]
-
-
-@starting
-def ring_shift(send: Sequence[Any], recv: Sequence[Any], comm: MPI.Comm, shift: int = 1,
-               tag: int = RING_TAG) -> PendingShift:
-    """Nonblocking pairwise collective over ``comm`` (1-D: one grid axis, ranks in
-    coordinate order). Start sending every array of the list ``send`` to the rank
-    ``shift`` places on around the ring and receiving the arrays of the rank
-    ``shift`` places back into the list ``recv``; returns the pending shift.
-
-    Every array is C-contiguous and is handed to MPI as it is (zero-copy; device
-    arrays too with CUDA-aware MPI, staged through the host otherwise). The
-    ``recv`` arrays must have the sender's sizes, which callers derive from a
-    layout every rank shares (no agreement check). Neither list may be touched
-    before ``wait()``. One rank on the axis, or a full turn: a local copy.
-    """
-    sends = [buffers.as_array(a) for a in send]
-    recvs = [buffers.as_array(a) for a in recv]
-    size, rank = comm.Get_size(), comm.Get_rank()
-    dest, source = (rank + shift) % size, (rank - shift) % size
-    if dest == rank:
-        for s, r in zip(sends, recvs):
-            buffers.namespace(r).copyto(r, s.reshape(r.shape))
-            buffers.synchronize(r)  # as after _copy_back
-        return PendingShift([], [], [])
-    requests: list[MPI.Request] = []
-    staged: list[tuple[Array, Array]] = []
-    keep: list[Array] = []
-    for i, r in enumerate(recvs):
-        wire = r
-        if buffers.is_device(r) and runtime.stages_device_buffers():
-            wire = np.empty(r.shape, r.dtype)
-            staged.append((wire, r))
-        requests.append(comm.Irecv(_bytes_of(wire), source=source, tag=tag + i))
-    for i, s in enumerate(sends):
-        wire = _to_wire(s)
-        keep.append(wire)
-        requests.append(comm.Isend(_bytes_of(wire), dest=dest, tag=tag + i))
-    return PendingShift(requests, staged, keep)

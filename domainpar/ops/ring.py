@@ -37,7 +37,7 @@ import torch
 
 from .. import autograd as ag
 from ..autograd._arrays import to_array
-from ..comm import collectives
+from ..comm import pairwise
 from .reduce import allreduce_extremum
 
 _FLASH = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
@@ -45,7 +45,7 @@ _FLASH_BACKWARD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_bac
 FLASH_DTYPES = (torch.float64, torch.float32, torch.bfloat16, torch.float16)
 _ACC = {torch.bfloat16: torch.float32, torch.float16: torch.float32}  # out, lse, gradients
 _NEG_INF = float("-inf")
-_GRAD_TAG = collectives.RING_TAG + 2  # k/v gradients: other tags than the k/v blocks
+_GRAD_TAG = pairwise.RING_TAG + 2  # k/v gradients: other tags than the k/v blocks
 
 
 class _WaitClock:
@@ -182,8 +182,8 @@ def _block_length(spec: RingSpec, coord: int) -> int:
     return spec.kv_offsets[coord + 1] - spec.kv_offsets[coord]
 
 
-def _shift(send, recv, comm, tag=collectives.RING_TAG):
-    return collectives.ring_shift([to_array(t) for t in send], [to_array(t) for t in recv], comm,
+def _shift(send, recv, comm, tag=pairwise.RING_TAG):
+    return pairwise.ring_shift([to_array(t) for t in send], [to_array(t) for t in recv], comm,
                                   tag=tag)
 
 

@@ -144,13 +144,13 @@ def _event(name: str, call: dict) -> Event:
 
 
 def _ring_event(name: str, call: dict) -> Event:
-    from ..comm import buffers, collectives
+    from ..comm import buffers, pairwise
     sends = call["send"] if isinstance(call["send"], (list, tuple)) else [call["send"]]
     nbytes = sum(int(buffers.as_array(s).nbytes) for s in sends)
     size = call["comm"].Get_size()
     return Event("ring", name, ranks=size, nbytes=nbytes if size > 1 else 0,
                  messages=len(sends) if size > 1 else 0,
-                 hops=_pass_hops(name, call.get("tag", collectives.RING_TAG)))
+                 hops=_pass_hops(name, call.get("tag", pairwise.RING_TAG)))
 
 
 def _world_size() -> int:

@@ -16,9 +16,9 @@ from domainpar.comm import (
     allreduce,
     bcast,
     buffers,
-    collectives,
     gatherv,
     iallreduce,
+    pairwise,
     repartition,
     scatterv,
 )
@@ -107,14 +107,14 @@ def test_repartition_between_random_layouts(grid_ndim, seed, dtype, kind, path):
 def test_mirror_exchange_and_ring_shift(kind, path):
     send = to_device(np.arange(5.0) + 100 * RANK, kind)
     recv = to_device(np.zeros(5), kind)
-    collectives.mirror_exchange(send, recv, COMM)
+    pairwise.mirror_exchange(send, recv, COMM)
     np.testing.assert_array_equal(to_host(recv), np.arange(5.0) + 100 * (SIZE - 1 - RANK))
     for shift in (1, -1, SIZE):
         sends = [to_device(np.full((3, 2), RANK, np.float32), kind),
                  to_device(np.arange(4) + 10 * RANK, kind)]
         recvs = [to_device(np.zeros((3, 2), np.float32), kind),
                  to_device(np.zeros(4, np.int64), kind)]
-        collectives.ring_shift(sends, recvs, COMM, shift=shift).wait()
+        pairwise.ring_shift(sends, recvs, COMM, shift=shift).wait()
         src = (RANK - shift) % SIZE
         np.testing.assert_array_equal(to_host(recvs[0]), np.full((3, 2), src, np.float32))
         np.testing.assert_array_equal(to_host(recvs[1]), np.arange(4) + 10 * src)
