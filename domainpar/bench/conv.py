@@ -39,9 +39,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import ctypes
 import functools
-import gc
 import importlib
 import os
 import platform
@@ -57,6 +55,7 @@ import torch.nn.functional as F
 from ..progress import Progress
 from . import jobs, settings
 from .convreport import TARGET_MEMORY, TARGET_SPEEDUP, figures, print_report, ratios
+from .memory import reset_peak, status_kib, trim
 from .output import write_json
 from .settings import configurations, describe
 from .timing import live_tensor_peak_kib, on_rank0, quiet_stderr, time_on_rank0
@@ -338,36 +337,6 @@ def _time_cases(args, comm, grid) -> dict:
 
 
 # -- memory -------------------------------------------------------------------------------------
-def _status_kib(field: str) -> int | None:
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith(field + ":"):
-                    return int(line.split()[1])
-    except OSError:
-        pass
-    return None
-
-
-def _reset_peak() -> bool:
-    """Reset the kernel's high-water mark of this process's RSS (Linux >= 4.0)."""
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        return True
-    except OSError:
-        return False
-
-
-def _trim() -> None:
-    """Hand memory that the C allocator keeps after frees back to the system."""
-    gc.collect()
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
-
-
 def _memory_worker(args) -> dict:
     """Collective. Peak RSS of one step above the import baseline, in this fresh
     process: 1 rank runs plain torch on the whole input, N ranks domainpar.
@@ -387,21 +356,21 @@ def _memory_worker(args) -> dict:
     comm = init()
     size = comm.Get_size()
     grid = None if size == 1 else ProcessGrid((size,))
-    after_import = _status_kib("VmRSS")
+    after_import = status_kib("VmRSS")
     factory, shape, train = _spec(args.what, args.unet, args.unet_shape, args.scale)
     # 16 cells per dim: a 4-level UNet still has 2 per dim (BatchNorm needs 2 values) at the bottom
     tiny = tuple(shape[:2]) + (16 * size,) + (16,) * (len(shape) - 3)
     _problem(factory, tiny, grid, train)[0]()
-    _trim()
-    baseline = _status_kib("VmRSS")
-    exact = _reset_peak()
+    trim()
+    baseline = status_kib("VmRSS")
+    exact = reset_peak()
     before_max = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     if baseline is None:  # no /proc/self/status: the high-water mark so far stands in
         baseline = before_max
     step, _ = _problem(factory, shape, grid, train)
     for _ in range(2 if train else 1):
         step()
-    peak = _status_kib("VmHWM") if exact else None
+    peak = status_kib("VmHWM") if exact else None
     exact = peak is not None
     if peak is None:  # ru_maxrss (KiB on Linux) only rises: a lower bound when it was higher before
         peak = max(baseline, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)

@@ -35,10 +35,10 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..bench import memory
 from ..plan.units import format_bytes, parse_bytes
 
 OFF = ("none", "off")
-_STATUS = "/proc/self/status"
 MMAP_THRESHOLD = 128 * 1024  # glibc's own starting values of its mmap and trim thresholds
 STEPS = 2  # the attempt's training steps: the second holds Adam's state too
 # Set by mpiexec in each rank (Open MPI sets OMPI_MCA_orte_*, ess, pmix too): a
@@ -61,10 +61,10 @@ def memory_size(text: str) -> int | None:
 
 
 def _status_bytes(key: str) -> int:
-    match = re.search(rf"^{key}:\s+(\d+) kB", Path(_STATUS).read_text(), re.M)
-    if match is None:
-        raise OSError(f"{_STATUS} has no {key} line: the memory budget needs Linux")
-    return int(match.group(1)) * 1024
+    kib = memory.status_kib(key)
+    if kib is None:
+        raise OSError(f"{memory.STATUS} has no {key} line: the memory budget needs Linux")
+    return kib * 1024
 
 
 @dataclass
@@ -96,13 +96,11 @@ def _settle() -> None:
     budget would then count tensors long dead, and memory freed before
     ``enforce`` could be reused uncounted); and return what the heap holds
     free now."""
-    import ctypes
-
     import torch._dynamo  # noqa: F401
 
     from ..comm.runtime import set_malloc_thresholds
     set_malloc_thresholds(MMAP_THRESHOLD, MMAP_THRESHOLD)
-    ctypes.CDLL(None).malloc_trim(0)
+    memory.trim()
 
 
 def enforce(budget: int) -> Limit:
@@ -115,7 +113,8 @@ def enforce(budget: int) -> Limit:
     hard = previous[1]
     soft = data + budget if hard == resource.RLIM_INFINITY else min(data + budget, hard)
     resource.setrlimit(resource.RLIMIT_DATA, (soft, hard))
-    Path("/proc/self/clear_refs").write_text("5")  # VmHWM (and ru_maxrss) := VmRSS
+    if not memory.reset_peak():  # VmHWM (and ru_maxrss) := VmRSS
+        raise OSError("/proc/self/clear_refs cannot be written: the memory budget needs Linux")
     return Limit(budget, data, rss, previous)
 
 
