@@ -189,7 +189,7 @@ class GroupNormRows(torch.autograd.Function):
         a, c, b, gw, gb = rowwise.group_grad_coefs(ab, mean, invstd, groups, per, w, ctx.count,
                                                    sg, sgx, x.dtype)
         gx = rowwise.affine(x, a, c, torch.empty_like(x), g, b) if need_x else None
-        gw = gw.to(x.dtype) if need_w else None  # weight: x's type (norm._in_c)
+        gw = gw.to(x.dtype) if need_w else None  # weight: x's type (rowwise.usable)
         gb = gb.to(x.dtype) if need_b and ctx.has_bias else None  # bias: x's type
         return gx, gw, gb, None, None, None, None, None, None
 

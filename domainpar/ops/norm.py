@@ -401,9 +401,11 @@ def group_norm(func, args, kwargs):
     weight, bias = _channel_params(dec, w, b, nd)
     if plan.comm is None:
         return _on_block(func, local, dec, weight, bias, (plan.local_groups,), (eps,))
-    if _in_c(local, weight, bias):
+    # GroupNormRows where the C loops take the block and the parameters given (of
+    # its type, on the CPU, contiguous)
+    if rowwise.usable(local, *(p for p in (weight, bias) if p is not None)):
         flat = [None if p is None else p.reshape(-1) for p in (weight, bias)]
-        out = GroupNormRows.apply(local, *flat, plan.comm, _float_counts(plan.counts),
+        out = GroupNormRows.apply(local, *flat, plan.comm, plan.float_counts,
                                   float(sum(plan.counts)), plan.local_groups,
                                   plan.view_shape[2], eps)
         return DomainTensor(out, dec)
@@ -415,18 +417,6 @@ def group_norm(func, args, kwargs):
     bv = None if bias is None else bias.reshape(plan.param_shape)
     out, _, _, _ = normalize(view, range(2, nd + 1), plan.comm, plan.counts, eps, wv, bv)
     return DomainTensor(out.reshape(local.shape), dec)
-
-
-def _in_c(local: torch.Tensor, weight, bias) -> bool:
-    """Local. Whether ``GroupNormRows`` takes the block: the C loops take it and
-    the parameters given (``rowwise.usable``: of its type, on the CPU, contiguous)."""
-    return rowwise.usable(local, *(p for p in (weight, bias) if p is not None))
-
-
-@functools.lru_cache(maxsize=256)
-def _float_counts(counts: tuple[int, ...]) -> torch.Tensor:
-    """Local. A layout's member counts as a float64 tensor (``GroupNormRows``)."""
-    return torch.tensor(counts, dtype=torch.float64)
 
 
 def _fused_groups(local, plan: _GroupPlan, eps, weight, bias) -> torch.Tensor:
@@ -455,6 +445,7 @@ class _GroupPlan:
     counts: tuple[int, ...] = ()
     view_shape: tuple[int, ...] = ()
     param_shape: tuple[int, ...] = ()
+    float_counts: torch.Tensor | None = None  # counts as float64 (GroupNormRows)
 
 
 def _group_plan(func, x: DomainTensor, groups, w, b, eps) -> _GroupPlan:
@@ -475,9 +466,11 @@ def _group_plan(func, x: DomainTensor, groups, w, b, eps) -> _GroupPlan:
     if _block_statistics(dec, spatial):
         return _GroupPlan(local_groups)
     comm, counts = _statistics_plan(dec, spatial)  # counts of cells: per_group values each
-    return _GroupPlan(local_groups, comm, tuple(per_group * n for n in counts),
+    cells = tuple(per_group * n for n in counts)
+    return _GroupPlan(local_groups, comm, cells,
                       (local_shape[0], local_groups, per_group) + tuple(local_shape[2:]),
-                      (1, local_groups, per_group) + (1,) * (nd - 2))
+                      (1, local_groups, per_group) + (1,) * (nd - 2),
+                      torch.tensor(cells, dtype=torch.float64))
 
 
 # -- layer_norm -------------------------------------------------------------------------------
