@@ -25,7 +25,8 @@ transposes:
 The real-to-complex transform (rfft, ihfft: on the last transform dim) goes
 first, as its input is real; the complex-to-real one (irfft, hfft: on the last
 transform dim) goes last, as its output is. ``n``/``s`` are applied along a dim
-while it is local, inside the ``torch.fft`` call that transforms it. The plan
+while it is local, inside the ``torch.fft`` call that transforms it (rfft's
+by ``halfspec``: its backward stays on the half spectrum). The plan
 depends on layouts and shapes only, so every rank derives the same one without
 a message. Nothing is ever gathered: per-rank memory stays O(N/P).
 
@@ -130,7 +131,7 @@ from ..tensor import aliasing, layout
 from ..tensor.deferred import Deferred
 from ..tensor.dispatch import TAKES_DEFERRED, UnsupportedOpError, op_name, register
 from ..tensor.domain_tensor import DomainTensor
-from . import index, pad, window
+from . import halfspec, index, pad, window
 from .common import bind, normalize_dims
 
 
@@ -147,7 +148,7 @@ class _Family:
 _FAMILIES = {
     "fft": _Family(None, torch.fft.fftn, torch.fft.fftn),
     "ifft": _Family(None, torch.fft.ifftn, torch.fft.ifftn),
-    "rfft": _Family("r2c", torch.fft.rfftn, torch.fft.fftn),
+    "rfft": _Family("r2c", halfspec.rfftn, torch.fft.fftn),
     "ihfft": _Family("r2c", torch.fft.ihfftn, torch.fft.ifftn),
     "irfft": _Family("c2r", torch.fft.irfftn, torch.fft.ifftn),
     "hfft": _Family("c2r", torch.fft.hfftn, torch.fft.fftn),
