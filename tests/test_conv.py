@@ -381,6 +381,50 @@ def test_a_kernel_that_reaches_no_neighbour_runs_on_the_block(kind, grid_ndim, m
     assert len(windowed) == 1
 
 
+POINTWISE_CASES = [(1, (3, 4, 11), (0, 2), 1), (2, (2, 4, 9, 8), (2, 3), 2),
+                   (3, (1, 4, 6, 5, 7), (2, 4), 2), (2, (3, 4, 7, 6), (0, 2), 2)]
+
+
+@pytest.mark.parametrize("nsp,shape,dims,grid_ndim", POINTWISE_CASES)
+@pytest.mark.parametrize("kind", ["even", "uneven", "zero", "periodic"])
+def test_a_pointwise_conv_is_a_matrix_product(nsp, shape, dims, grid_ndim, kind, monkeypatch):
+    """Kernel 1, stride 1, no padding, one group ('same' and 'valid' too): bias +
+    W @ x per sample (``conv.pointwise``), with and without bias, 1-, 2- and 3-D,
+    batch and spatial dims sharded, empty batch blocks, a non-contiguous block; the
+    other convs of kernel 1 keep their paths (strided, grouped, padded), and so do
+    layouts with an empty block on a sharded spatial dim (the windowed path). All
+    match one process."""
+    from domainpar.ops import conv as conv_ops
+    taken = []
+    real = conv_ops.pointwise
+    monkeypatch.setattr(conv_ops, "pointwise", lambda *a: (taken.append(1), real(*a))[1])
+    conv = {1: nn.Conv1d, 2: nn.Conv2d, 3: nn.Conv3d}[nsp]
+    grid, shard, sizes = layout(shape, dims, grid_ndim, kind)
+    dec = shard_like(global_tensor(shape), grid, shard, sizes).decomposition
+    whole = all(min(dec.block_sizes(d)) > 0 for d in dec.shard if d >= 2)
+    torch.manual_seed(7)
+    for dtype in (torch.float64, torch.float32):
+        x = global_tensor(shape, dtype, seed=8)
+        for model, pointwise in ((conv(4, 3, 1), True), (conv(4, 5, 1, bias=False), True),
+                                 (conv(4, 3, 1, padding="same"), True),
+                                 (nn.Sequential(nn.GELU(), conv(4, 2, 1, padding="valid")), True),
+                                 (conv(4, 2, 1, groups=2), False),
+                                 (conv(4, 2, 1, padding=1), False)):
+            assert_matches_single_process(model.to(dtype), x, grid, shard, sizes=sizes)
+            assert bool(taken) == (pointwise and whole), (model, taken)
+            taken.clear()
+        # a non-contiguous block: a transposed view of whole channels and cells
+        model = nn.Sequential(_Transposed(), conv(4, 3, 1)).to(dtype)
+        assert_matches_single_process(model, x, grid, shard, sizes=sizes)
+
+
+class _Transposed(nn.Module):
+    """x -> a view with the last two dims' strides swapped and back (not contiguous)."""
+
+    def forward(self, x):
+        return x.transpose(-1, -2).contiguous().transpose(-1, -2) if x.ndim > 3 else x[..., :]
+
+
 def test_blocks_no_order_helps_take_onednn_layout():
     """A float32 3-D block that no reordering gets past torch's size rule goes to
     oneDNN in its own tensor layout: same numbers as one process."""
