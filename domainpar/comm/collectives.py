@@ -328,7 +328,7 @@ def scatterv(global_array: Any, dec: Decomposition, root: int = 0) -> Array:
     recv_host = np.empty(counts[grid.rank], np.uint8)
     if grid.rank == root:
         send = to_wire(_pack_boxes(arr, [dec.local_slices(r) for r in range(grid.size)],
-                                    itemsize))
+                                   itemsize))
         grid.comm.Scatterv([send, (counts, displs), MPI.BYTE], [recv_host, MPI.BYTE], root=root)
     else:
         grid.comm.Scatterv(None, [recv_host, MPI.BYTE], root=root)

@@ -24,8 +24,8 @@ size rule would pick im2col for a thin block) is ``ops/onednn.py``. A conv that
 needs no ghost cells (no spatial dim sharded, or a kernel 1 wide, stride 1 and
 unpadded along every sharded one: a 1x1 conv; no block empty there) runs on the
 blocks as they are: a kernel 1 wide along every dim (stride 1, no padding, one
-group) as a matrix product per sample (``pointwise``: torch's conv takes its
-slow path there); other float32 3-D convs through HaloConv with no ghost cells,
+group) on the CPU as a matrix product per sample (``pointwise``: torch's conv
+takes its slow path there); other float32 3-D convs through HaloConv with no ghost cells,
 for the kernel choice; the others by torch's op.
 """
 from __future__ import annotations
@@ -148,7 +148,7 @@ class _ConvPlan:
     out_dec: object
     spec: ConvSpec | None = None
     exchanged: bool = False
-    pointwise: bool = False  # kernel 1, stride 1, no padding, one group: ``pointwise``
+    pointwise: bool = False  # kernel 1, stride 1, no padding, one group: ``pointwise`` (CPU)
 
 
 # -- conv ---------------------------------------------------------------------------------------
@@ -169,7 +169,7 @@ def conv(func, args, kwargs):
     options = tuple(a[n] for n in _CONV_ARGS[3:])
     key = plan_key(func, x, weight, bias, options)
     plan = planned(key, lambda: _conv_plan(func, x, weight, bias, options, nsp))
-    if plan.pointwise:
+    if plan.pointwise and x._local.device.type == "cpu":  # where it was measured
         return pointwise(x, weight, bias, plan.out_dec)
     if plan.spec is None:
         return whole_blocks(func, x, weight, bias, plan.out_dec, *options)
