@@ -60,6 +60,28 @@ def complex_view_of(p: torch.Tensor) -> torch.Tensor | None:
     return base
 
 
+def parameter_view_of(p: torch.Tensor) -> torch.nn.Parameter | None:
+    """Local. The parameter that ``p`` is a view of in its own dtype (a slice,
+    ``param[..., :k]``, or the parameter seen whole through another view), or None.
+    Its values are the parameter's, so it is checked and reduced as the parameter
+    (``Tensor._base``, see ``complex_view_of``)."""
+    base = p._base
+    if not isinstance(base, torch.nn.Parameter) or base.dtype != p.dtype or \
+            not base.is_contiguous():
+        return None
+    return base
+
+
+def view_gradient(view: torch.Tensor, base: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+    """Local. The gradient of the contiguous ``base`` from the gradient ``grad`` of its
+    view ``view`` (``parameter_view_of``): summed where the view's elements lie (more
+    than once for an expanded or unfolded view), zeros elsewhere."""
+    where = torch.arange(base.numel(), device=grad.device).view(base.shape).as_strided(
+        view.shape, view.stride(), view.storage_offset() - base.storage_offset())
+    out = torch.zeros(base.numel(), dtype=grad.dtype, device=grad.device)
+    return out.index_add_(0, where.reshape(-1), grad.reshape(-1)).view(base.shape)
+
+
 def check_replicated(p: torch.Tensor, comm: MPI.Comm) -> None:
     """Collective over ``comm``, the first time it sees ``p``. Raise the same
     MismatchError on every rank if ``p``, which every rank must hold alike,
@@ -73,7 +95,9 @@ def check_replicated(p: torch.Tensor, comm: MPI.Comm) -> None:
     optimizer steps keep replicated parameters equal).
     """
     base = complex_view_of(p)
-    if base is not None:  # a complex view holds its base's values: check the base, once
+    if base is None:
+        base = parameter_view_of(p)
+    if base is not None:  # a view holds its base's values: check the base, once
         p = base
     if comm.Get_size() == 1 or _CHECKED.get(id(p)) is p:
         return
