@@ -14,7 +14,7 @@ from __future__ import annotations
 import contextvars
 import weakref
 import zlib
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import TypeAlias
 
 import torch
@@ -74,12 +74,28 @@ def parameter_view_of(p: torch.Tensor) -> torch.nn.Parameter | None:
 
 def view_gradient(view: torch.Tensor, base: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
     """Local. The gradient of the contiguous ``base`` from the gradient ``grad`` of its
-    view ``view`` (``parameter_view_of``): summed where the view's elements lie (more
-    than once for an expanded or unfolded view), zeros elsewhere."""
-    where = torch.arange(base.numel(), device=grad.device).view(base.shape).as_strided(
-        view.shape, view.stride(), view.storage_offset() - base.storage_offset())
-    out = torch.zeros(base.numel(), dtype=grad.dtype, device=grad.device)
-    return out.index_add_(0, where.reshape(-1), grad.reshape(-1)).view(base.shape)
+    view ``view`` (``parameter_view_of``): ``grad`` where the view's elements lie,
+    zeros elsewhere (as torch's own backward of a view), summed where an element
+    lies more than once (an expanded or unfolded view)."""
+    geometry = (view.shape, view.stride(), view.storage_offset() - base.storage_offset())
+    out = torch.zeros(base.shape, dtype=grad.dtype, device=grad.device)
+    if not _overlapping(view.shape, view.stride()):
+        out.as_strided(*geometry).copy_(grad)
+        return out
+    where = torch.arange(base.numel(), device=grad.device).view(base.shape).as_strided(*geometry)
+    out.view(-1).index_add_(0, where.reshape(-1), grad.reshape(-1))
+    return out
+
+
+def _overlapping(shape: Sequence[int], stride: Sequence[int]) -> bool:
+    """Local. Whether a view of ``shape`` and ``stride`` may address an element twice
+    (False is certain: each dim's stride passes the span of the smaller ones)."""
+    span = 1
+    for st, n in sorted((st, n) for st, n in zip(stride, shape) if n > 1):
+        if st < span:
+            return True
+        span = st * n
+    return False
 
 
 def check_replicated(p: torch.Tensor, comm: MPI.Comm) -> None:
