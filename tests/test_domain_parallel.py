@@ -153,54 +153,23 @@ class SlicedWeights(torch.nn.Module):
         return torch.view_as_real(y)
 
 
+# A parameter's view, its model and a penalty that uses the view on replicated values too.
+VIEWED = {
+    "complex": (lambda: ComplexWeights().double(),
+                lambda m: 0.1 * torch.view_as_complex(m.w).abs().sum()),
+    "slice": (lambda: SlicedWeights().to(torch.complex128),
+              lambda m: 0.1 * m.w[1:].abs().sum()),
+}
+
+
+@pytest.mark.parametrize("view", sorted(VIEWED))
 @pytest.mark.parametrize("kind", ["even", "uneven", "zero"])
-def test_slices_of_parameters_are_reduced_with_them(kind, monkeypatch):
-    """A slice of a parameter (a view) entering per-rank work inside DomainParallel,
-    cut to the blocks of a sharded mode dim, is reduced with the parameter,
-    bucketed: no per-op allgather of its gradient, and its values are checked
-    once, as the parameter's. Gradients and 5 steps of training match one process."""
-    from domainpar import autograd as dag
-    from domainpar.tensor import params
-    per_op = []
-    real_shard, real_broadcast = dag.shard, dag.broadcast
-    monkeypatch.setattr(dag, "shard", lambda *a: (per_op.append("shard"), real_shard(*a))[1])
-
-    def broadcast(t, comm, defer=None):
-        if defer is None:
-            per_op.append("broadcast")
-        return real_broadcast(t, comm, defer)
-    monkeypatch.setattr(dag, "broadcast", broadcast)
-    checked = []
-    real_agree = params.agree
-    monkeypatch.setattr(params, "agree", lambda *a, **k: (checked.append(1), real_agree(*a, **k))[1])
-    torch.manual_seed(5)
-    grid, shard, sizes = batch_domain_grid(kind)
-    x = global_tensor((4, 3, 9, 5), torch.float64, seed=6)
-    model = SlicedWeights().to(torch.complex128)
-    assert_matches_single_process(model, x, grid, shard, sizes=sizes,
-                                  wrap=lambda m: dp.DomainParallel(m, grid))
-    assert per_op == []
-    target = global_tensor((4, 2, 5, 5, 2), torch.float64, seed=7)
-    target_sizes = {0: sizes[0]} if sizes and 0 in sizes else None  # dim 2 is W's modes now
-
-    def penalty(m):  # a slice of the parameter used on replicated values too
-        return 0.1 * m.w[1:].abs().sum()
-    reference = train(copy.deepcopy(model), x, target, extra=penalty)
-    before = len(checked)
-    sharded = train(dp.DomainParallel(copy.deepcopy(model), grid),
-                    shard_like(x, grid, shard, sizes),
-                    shard_like(target, grid, shard, target_sizes),
-                    extra=lambda m: penalty(m.module))
-    assert per_op == [] and len(checked) - before == (SIZE > 1)  # once, not per step
-    assert_same_parameters(sharded, reference, 1e-10, 1e-12)
-
-
-@pytest.mark.parametrize("kind", ["even", "uneven", "zero"])
-def test_complex_views_of_parameters_are_reduced_with_them(kind, monkeypatch):
-    """A complex view of a parameter (view_as_complex) entering per-rank work inside
-    DomainParallel is reduced with the parameter, bucketed: no per-op allgather or
-    allreduce of its gradient, and its values are checked once, as the parameter's.
-    Gradients and 5 steps of training match one process."""
+def test_views_of_parameters_are_reduced_with_them(view, kind, monkeypatch):
+    """A view of a parameter (view_as_complex; a slice, cut to the blocks of a
+    sharded mode dim) entering per-rank work inside DomainParallel is reduced with
+    the parameter, bucketed: no per-op allgather or allreduce of its gradient, and
+    its values are checked once, as the parameter's. Gradients and 5 steps of
+    training match one process."""
     from domainpar import autograd as dag
     from domainpar.tensor import params
     per_op = []  # parameter gradients an op would reduce itself
@@ -215,17 +184,16 @@ def test_complex_views_of_parameters_are_reduced_with_them(kind, monkeypatch):
     checked = []
     real_agree = params.agree
     monkeypatch.setattr(params, "agree", lambda *a, **k: (checked.append(1), real_agree(*a, **k))[1])
+    make, penalty = VIEWED[view]
     torch.manual_seed(5)
     grid, shard, sizes = batch_domain_grid(kind)
     x = global_tensor((4, 3, 9, 5), torch.float64, seed=6)
-    model = ComplexWeights().double()
+    model = make()
     assert_matches_single_process(model, x, grid, shard, sizes=sizes,
                                   wrap=lambda m: dp.DomainParallel(m, grid))
     assert per_op == []
     target = global_tensor((4, 2, 5, 5, 2), torch.float64, seed=7)
     target_sizes = {0: sizes[0]} if sizes and 0 in sizes else None  # dim 2 is W's modes now
-    def penalty(m):  # the parameter's complex view used on replicated values too
-        return 0.1 * torch.view_as_complex(m.w).abs().sum()
     reference = train(copy.deepcopy(model), x, target, extra=penalty)
     before = len(checked)
     sharded = train(dp.DomainParallel(copy.deepcopy(model), grid),
