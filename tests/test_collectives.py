@@ -9,7 +9,7 @@ import pytest
 from mpi4py import MPI
 
 import domainpar as dp
-from domainpar.comm import allgatherv, allreduce, bcast, gatherv, repartition, scatterv
+from domainpar.comm import allgatherv, allreduce, bcast, collectives, gatherv, repartition, scatterv
 from domainpar.testing import adjoint_error
 from layouts import global_array, random_decomposition, random_layout
 
@@ -207,7 +207,6 @@ def test_unchecked_collectives_send_no_agreement(monkeypatch):
     """check=False (the autograd layer: blocks follow from agreed layouts) skips the
     agreement allreduce that check=True sends; a repartition whose blocks stay far
     from MPI's count limit sends none either."""
-    from domainpar.comm import collectives
     grid = dp.ProcessGrid((0,))
     src = dp.Decomposition((3, 2 * SIZE + 1), grid, shard={1: 0})
     dst = dp.Decomposition((3, 2 * SIZE + 1), grid, shard={0: 0})
@@ -260,6 +259,33 @@ def test_repartition_named_cases(grid_ndim):
         full = dp.Decomposition(shape, grid, shard={0: other, 1: axis})
         check_repartition(full, b, 8)
         check_repartition(b, full, 9)
+
+
+@pytest.mark.parametrize("grid_ndim,seed", list(itertools.product(GRID_NDIMS, range(40))))
+def test_a_repartition_that_keeps_every_block_at_home_sends_nothing(grid_ndim, seed):
+    """``_stays_local`` (no Alltoallv: each rank copies its own pieces) holds only
+    where every rank's destination block lies in its own source block, checked
+    against every rank's slices; it holds where the destination cuts dims the
+    source holds whole along axes the source replicates, and the values move right."""
+    rng, grid = random_grid(seed, grid_ndim)
+    shape = random_shape(rng, int(rng.integers(1, 4)))
+    src = random_decomposition(rng, grid, shape)
+    dst = random_decomposition(rng, grid, shape)
+
+    def inside(inner, outer):
+        return all(o.start <= i.start and i.stop <= o.stop or i.start == i.stop
+                   for i, o in zip(inner, outer))
+    if collectives._stays_local(src, dst):
+        assert all(inside(dst.local_slices(r), src.local_slices(r)) for r in range(grid.size))
+    free = list(src.replicated_axes)
+    whole = [d for d in range(len(shape)) if d not in src.shard]
+    if free and whole:
+        shard = dict(src.shard)
+        shard[whole[0]] = free[0]
+        sizes = {d: src.block_sizes(d) for d in src.shard}
+        cut = dp.Decomposition(shape, grid, shard, sizes)
+        assert collectives._stays_local(src, cut)
+        check_repartition(src, cut, seed)
 
 
 @pytest.mark.parametrize("grid_ndim,seed", list(itertools.product((2, 3), range(8))))

@@ -57,6 +57,12 @@ def _conv_tuning(value: str | None) -> None:
         onednn.set_conv_tuning(value != "0")
 
 
+def _fft_bands(value: str | None) -> None:
+    fftband = sys.modules.get("domainpar.ops.fftband")
+    if fftband is not None:  # else it reads the environment when imported
+        fftband.set_bands(value != "0")
+
+
 def _threads(value: str | None) -> None:
     torch = sys.modules.get("torch")
     if torch is not None and value:  # A's count is restored by applied() itself
@@ -98,6 +104,9 @@ KEYS: dict[str, tuple[str, tuple[str, ...] | Callable[[str], bool],
     "DOMAINPAR_CONV_TUNING": ("a large conv timed whole and in row pieces on first use, "
                               "the faster kept (1), or always whole (0)", ("0", "1"),
                               _conv_tuning),
+    "DOMAINPAR_FFT_BANDS": ("an FFT's narrow slices along cut dims as bands, one allreduce, "
+                            "and transforms of replicated inputs cut into blocks (1), or by "
+                            "transposes (0)", ("0", "1"), _fft_bands),
     # read by DomainParallel when it is built (in the job's environment)
     "DOMAINPAR_FUSE_HALOS": ("halo fusion of conv chains in DomainParallel on (1) or off (0)",
                              ("0", "1"), lambda value: None),

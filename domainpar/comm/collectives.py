@@ -348,7 +348,9 @@ def repartition(block: Any, src: Decomposition, dst: Decomposition, *,
     (numpy or CuPy, where ``block`` lives).
 
     A destination block takes each piece from the source rank that shares its
-    coordinates on the axes ``src`` replicates, so replicas never send twice.
+    coordinates on the axes ``src`` replicates, so replicas never send twice;
+    where every rank's destination block lies in its own source block (``dst``
+    only cuts dims more, along axes ``src`` replicates), no message is sent.
 
     ``check`` first makes every rank agree that its block fits ``src`` and on the
     dtype (one small allreduce); ``check=False`` is for callers whose blocks
@@ -379,13 +381,26 @@ def repartition(block: Any, src: Decomposition, dst: Decomposition, *,
     assert plan is not None and not isinstance(arr, Exception)  # else _check_block raised
     (send_boxes, scounts, sdispls), (recv_boxes, rcounts, rdispls) = plan
     send = _pack_boxes(arr, send_boxes, arr.dtype.itemsize)
+    out = buffers.empty(dst.local_shape(), arr.dtype, arr)
+    if _stays_local(src, dst):  # every rank's pieces are its own: no message
+        _unpack_boxes(send, out, recv_boxes, arr.dtype.itemsize)
+        return out
     recv = buffers.empty((sum(rcounts),), np.uint8, arr)
     wire_send, wire_recv = to_wire(send), to_wire(recv)
     src.grid.comm.Alltoallv([wire_send, (scounts, sdispls), MPI.BYTE],
                             [wire_recv, (rcounts, rdispls), MPI.BYTE])
-    out = buffers.empty(dst.local_shape(), arr.dtype, arr)
     _unpack_boxes(from_wire(wire_recv, arr), out, recv_boxes, arr.dtype.itemsize)
     return out
+
+
+@functools.lru_cache(maxsize=1024)
+def _stays_local(src: Decomposition, dst: Decomposition) -> bool:
+    """Local, the same on every rank. Whether every rank's ``dst`` block lies in its
+    own ``src`` block: ``dst`` lays out the dims ``src`` cuts as ``src`` does (so
+    it may cut more dims only along axes ``src`` replicates)."""
+    return src.grid is dst.grid and all(
+        dst.shard.get(d) == a and dst.block_sizes(d) == src.block_sizes(d)
+        for d, a in src.shard.items())
 
 
 @functools.lru_cache(maxsize=1024)

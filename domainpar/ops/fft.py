@@ -6,7 +6,7 @@ Method
 An n-D transform is a chain of 1-D transforms, one per transform dim, each
 with its own length (``n``/``s``: zero padding or trimming) and its share of the
 normalisation (``norm`` scales every dim alike). A 1-D transform needs its dim
-whole on every rank, so the plan (``_plan``) alternates local transforms and
+whole on every rank, so the plan (``ops/fftplan.py``) alternates local transforms and
 transposes:
 
 1. Transform the pending dims that are local now, in one ``torch.fft`` call
@@ -66,6 +66,12 @@ transforms run on them; its other dims are sliced after. Slices that cut those
 dims alike (``x_ft[..., :m, :m]`` and ``x_ft[..., -m:, :m]``) share one transpose.
 A narrowed dim then takes the grid axis where it can (the plan of step 2 on the
 narrowed sizes, balanced blocks); where no dim can, the whole spectrum answers.
+Where the slice keeps few modes of every dim still to transform that is cut
+(``k`` of ``n`` over ``P`` ranks, ``2 k P <= n``), no transpose runs: a band
+(``ops/fftband.py``) multiplies each rank's block by the kept rows of the DFT
+matrix and sums the partial spectra in one allreduce. The result is replicated
+along those dims' grid axes (``k`` lines on every rank); the band also holds the
+kept modes' reflection, so that an FNO's two slices (``[:m]``, ``[-m:]``) share it.
 An ``fftshift``/``ifftshift`` of such a result is in transit too (neuraloperator
 shifts before it takes the centre band): a slice of it slices the other dims
 first, rolls what that keeps, and slices the shifted dims after. Such a slice
@@ -85,6 +91,21 @@ inside ``sharded_factories``: ``pad.zeros_past``, kept by an ``fftshift`` of
 other dims, forgotten at the next write) is transformed up to that end. A c2r dim whose input is
 narrower than its half spectrum goes last, in a phase of its own, so the other
 dims are transformed over the narrow input only (torch would pad it first).
+
+Replicated in, sharded out
+--------------------------
+A transform of an input replicated along a grid axis of more than one rank (a
+band after an FNO's channel mixing, padded back to the field's spectrum) whose
+plan has no transpose cuts that axis onto the first dim it transforms with at
+least as many elements as the axis has ranks, right after the phase that
+transforms it, where a later phase follows: the later phases run on this rank's
+block only, and the result comes out cut there, balanced. The cut sends nothing
+(each rank keeps its block of what it holds whole: ``comm.collectives``'
+repartition); its adjoint gathers the blocks' gradients. A c2r transform of such
+an input runs its c2r dim in a phase of its own for this: ``irfft2`` of the FNO's
+band transforms H whole, cuts H, and runs the c2r transform along W on the
+block. A transform of one phase stays replicated. ``DOMAINPAR_FFT_BANDS=0``
+turns this and the bands off.
 
 fftshift / ifftshift
 --------------------
@@ -131,7 +152,7 @@ from ..tensor import aliasing, layout
 from ..tensor.deferred import Deferred
 from ..tensor.dispatch import TAKES_DEFERRED, UnsupportedOpError, op_name, register
 from ..tensor.domain_tensor import DomainTensor
-from . import halfspec, index, pad, window
+from . import fftband, fftplan, halfspec, index, pad, window
 from .common import bind, normalize_dims
 
 
@@ -157,105 +178,6 @@ _FAMILIES = {
 # and dim. (The callables' own names, ``fft_fft`` ..., are not the ones users write.)
 _FORMS = {getattr(torch.fft, name + suffix): (name, form, f"torch.fft.{name}{suffix}")
           for name in _FAMILIES for suffix, form in (("", "1"), ("2", "2"), ("n", "n"))}
-
-
-# -- the plan ------------------------------------------------------------------------------------
-@dataclasses.dataclass(frozen=True)
-class _Phase:
-    """Move the block to ``src`` (a repartition; None: stay), then transform ``dims``
-    (the c2r/r2c dim last) with lengths ``lengths``; the result is laid out by ``dst``."""
-    src: Decomposition | None
-    dims: tuple[int, ...]
-    lengths: tuple[int, ...]
-    half: bool
-    dst: Decomposition
-
-
-def _local(dec: Decomposition, d: int) -> bool:
-    return d not in dec.shard or dec.grid.dims[dec.shard[d]] == 1
-
-
-def _target(func, dec: Decomposition, d: int, done, pending) -> int:
-    """The dim that takes ``d``'s grid axis (module docstring, step 2)."""
-    axis = dec.shard[d]
-    ranks = dec.grid.dims[axis]
-    shape = dec.global_shape
-    # Dims on no axis first; a dim on an axis of one process (whole, but it keeps
-    # that axis where it can) only when none is left.
-    for free in ([t for t in range(dec.ndim) if t != d and t not in dec.shard],
-                 [t for t in range(dec.ndim) if t != d and not layout.cut(dec, t)]):
-        free = [t for t in free if shape[t] >= ranks]
-        # A transform dim before any other: the result then comes out sharded on a
-        # frequency dim, where the channel mixing that follows a transform (an FNO's
-        # einsum) stays local; on the channels it would contract a sharded dim.
-        tiers = ([t for t in free if t in done],
-                 sorted((t for t in free if t in pending), key=lambda t: (-shape[t], t)),
-                 sorted((t for t in free if t not in pending), key=lambda t: (-shape[t], t)))
-        for tier in tiers:
-            if tier:
-                return min(tier) if tier is tiers[0] else tier[0]
-    raise UnsupportedOpError(
-        f"{_FORMS[func][2]} on a DomainTensor of shape {tuple(shape)} sharded on "
-        f"{layout.sharded_dims_text(dec)}: transforming dim {d} needs it whole on every rank, "
-        f"and no other dim can take its grid axis {axis}: each is sharded already or has fewer "
-        f"than the {ranks} ranks of that axis. Add a batch or channel dim of at least {ranks}, "
-        f"shard another dim (redistribute), or use fewer ranks on grid axis {axis}")
-
-
-def _moved(dec: Decomposition, d: int, t: int) -> Decomposition:
-    """``dec`` with ``d``'s grid axis on ``t`` (balanced blocks) and ``d`` whole."""
-    shard = {k: a for k, a in dec.shard.items() if k != d}
-    shard[t] = dec.shard[d]
-    sizes = {k: dec.block_sizes(k) for k in shard if k != t}
-    return layout.derive(dec, dec.global_shape, shard, sizes)
-
-
-def _transformed(dec: Decomposition, out_sizes: dict[int, int]) -> Decomposition:
-    """``dec`` after local transforms resize the dims in ``out_sizes``."""
-    shape = list(dec.global_shape)
-    for d, n in out_sizes.items():
-        shape[d] = n
-    sizes = {k: ((shape[k],) if k in out_sizes else dec.block_sizes(k)) for k in dec.shard}
-    return layout.derive(dec, shape, dec.shard, sizes)
-
-
-def _plan(func, dec: Decomposition, dims, lengths, out_lengths, kind,
-          done: tuple[int, ...] = (), split: bool = False) -> list[_Phase]:
-    """The phases of a transform over ``dims`` (torch's order; the half dim last)
-    with input lengths ``lengths`` (c2r: output lengths) and output sizes
-    ``out_lengths``; ``done``: dims an earlier part of the call transformed;
-    ``split``: the half dim in a phase of its own (module docstring, "Slices of
-    a spectrum")."""
-    length = dict(zip(dims, lengths))
-    out_length = dict(zip(dims, out_lengths))
-    half = dims[-1] if kind else None
-    pending, phases = list(dims), []
-    finished = list(done)
-    while pending:
-        src = None
-        if kind == "r2c" and half is not None and half in pending:
-            if not _local(dec, half):
-                src = dec = _moved(dec, half, _target(func, dec, half, finished, pending))
-            group = [half] if split else \
-                [d for d in pending if d != half and _local(dec, d)] + [half]
-        elif all(_local(dec, d) for d in pending):
-            group = [d for d in pending if d != half] if split and kind == "c2r" and \
-                len(pending) > 1 else list(pending)
-        else:
-            full = [d for d in pending if d != half]
-            group = [d for d in full if _local(dec, d)]
-            if not group:
-                d = full[0] if full else half
-                assert d is not None  # only the half dim is left
-                src = dec = _moved(dec, d, _target(func, dec, d, finished, pending))
-                group = [d]
-        dst = _transformed(dec, {d: out_length[d] for d in group})
-        phases.append(_Phase(src, tuple(group), tuple(length[d] for d in group),
-                             half in group, dst))
-        dec = dst
-        finished += group
-        pending = [d for d in pending if d not in group]
-    return phases
 
 
 # -- the rule -------------------------------------------------------------------------------------
@@ -284,7 +206,8 @@ def fft(func, args, kwargs):
     """Collective (alltoallv transposes) when a transform dim is sharded, local otherwise.
     fft, ifft, rfft, irfft, hfft, ihfft and their 2-D and n-D forms: any dims, n / s
     (padding, trimming), norm; real or complex input; output layout in ``ops.fft``.
-    A slice of the result moves only the cells it keeps; a zero pad is not moved."""
+    A slice of the result moves only the cells it keeps (a narrow band: one allreduce);
+    a zero pad is not moved; a replicated input comes out cut where that saves work."""
     family, form, name = _FORMS[func]
     names = ("input", "n", "dim", "norm") if form == "1" else ("input", "s", "dim", "norm")
     a = bind(func, args, kwargs, names + ("out",),
@@ -301,11 +224,14 @@ def fft(func, args, kwargs):
     x = _unpadded(x, dims)
     # the r2c dim alone first, so that a slice can narrow it before the others; the
     # c2r dim alone last where its input is narrower than its half spectrum (torch
-    # would pad it first and transform the other dims over the zeros too)
-    split = fam.kind == "r2c" or (fam.kind == "c2r" and
-                                  x.shape[dims[-1]] < lengths[-1] // 2 + 1)
+    # would pad it first and transform the other dims over the zeros too) or
+    # replicated (so that it runs on blocks: "Replicated in, sharded out")
     local, dec = x._local, x._dec
-    phases, start = _phases(func, dec, dims, lengths, out_lengths, fam.kind, split)
+    split = fam.kind == "r2c" or (fam.kind == "c2r" and (
+        x.shape[dims[-1]] < lengths[-1] // 2 + 1 or fftplan.replicated(dec)))
+    phases, start = fftplan.phases(name, dec, dims, lengths, out_lengths, fam.kind, split)
+    if start is None:
+        phases = fftplan.cut_replicated(phases)
     if start is not None:
         local, dec = ag.repartition(local, dec, start), start
     moves = [k for k, phase in enumerate(phases) if phase.src is not None]
@@ -338,7 +264,9 @@ def _run(fam: _Family, norm, local: torch.Tensor, dec: Decomposition, phases):
             meta = call(torch.empty(local.shape, dtype=local.dtype, device="meta"), **options)
             like = torch.empty((), dtype=meta.dtype, device=local.device)
             local = window.placeholder(meta.shape, like, local)
-        dec = phase.dst
+        if phase.then is not None:  # no message: each rank keeps its block
+            local = ag.repartition(local, phase.dst, phase.then)
+        dec = phase.out
     return local, dec
 
 
@@ -358,7 +286,7 @@ def _deferred(func, fam: _Family, norm, start, head, tail, call) -> Deferred:
     def take(whole: Deferred, key) -> DomainTensor | None:
         return _take(func, fam, norm, (local, dec), done, left, cache, whole, key)
 
-    return Deferred(tail[-1].dst, dtype, local.device,
+    return Deferred(tail[-1].out, dtype, local.device,
                     lambda: _run(fam, norm, local, dec, tail)[0], take)
 
 
@@ -369,7 +297,8 @@ _COPIED = "a slice of a spectrum taken before the transform's transposes"
 def _take(func, fam: _Family, norm, start, done, left, cache, whole: Deferred, key):
     """``whole[key]``, where ``whole`` is the Deferred of a transform whose phases
     after ``done`` are still to run: the slices of the dims it no longer transforms
-    go first, and only what they keep travels; None where nothing is sliced there
+    go first, and only what they keep travels, by a band (``ops/fftband.py``) where
+    one pays, else by the plan's transposes; None where nothing is sliced there
     (or a plan on the slices is refused: the whole spectrum then answers)."""
     dims, lengths, out_lengths, kind = left
     shape = whole._dec.global_shape
@@ -380,21 +309,69 @@ def _take(func, fam: _Family, norm, start, done, left, cache, whole: Deferred, k
     if not first:
         return None
     tag = tuple(sorted(first.items()))
-    if tag not in cache:
+    if tag not in cache:  # what these slices keep, and what was computed from it
         local, dec = start
         with whole.as_made():
             for d, (lo, hi, step) in first.items():
                 local, dec = index.slice_dim(local, dec, d, lo, hi, step)
-        try:
-            phases = _plan(func, dec, dims, lengths, out_lengths, kind, done)
-        except UnsupportedOpError:
-            return None
-        with whole.as_made():  # cached for later slices: the graph of the transform's call
-            cache[tag] = DomainTensor(*_run(fam, norm, local, dec, phases))
-    then = tuple(slice(None) if d in first else slice(*s) for d, s in enumerate(per))
-    out = index.getitem(torch.Tensor.__getitem__, (cache[tag], then), {})
+        cache[tag] = {"in": (local, dec), "bands": []}
+    entry = cache[tag]
+    local, dec = entry["in"]
+    band = None if "whole" in entry else \
+        next((b for b in entry["bands"] if fftband.holds(b[0], per)), None)
+    if band is None and "whole" not in entry:
+        kept = fftband.modes(dec, dims, lengths, per)
+        if kept is not None:
+            with whole.as_made():  # cached for later slices, as the whole is below
+                band = (kept, _band(fam, norm, local, dec, (dims, lengths), kept))
+            entry["bands"].append(band)
+    if band is not None:
+        kept, spectrum = band
+        then = tuple(fftband.position(kept[d], s) if d in kept else
+                     slice(None) if d in first else slice(*s) for d, s in enumerate(per))
+    else:
+        if "whole" not in entry:
+            try:
+                phases = fftplan.plan(_FORMS[func][2], dec, dims, lengths, out_lengths, kind, done)
+            except UnsupportedOpError:
+                return None
+            with whole.as_made():  # cached for later slices: the graph of the transform's call
+                entry["whole"] = DomainTensor(*_run(fam, norm, local, dec, phases))
+        spectrum = entry["whole"]
+        then = tuple(slice(None) if d in first else slice(*s) for d, s in enumerate(per))
+    out = index.getitem(torch.Tensor.__getitem__, (spectrum, then), {})
     aliasing.mark_copied(whole, out, _COPIED)
     return out
+
+
+def _band(fam: _Family, norm, local, dec: Decomposition, left, kept) -> DomainTensor:
+    """Collective (one allreduce over the cut transform dims' grid axes). The band
+    ``kept`` (``fftband.modes``) of the c2c transform of ``local`` over the dims and
+    lengths ``left``: partial DFTs along the cut dims, torch's transform along the
+    others (then their band), the partial spectra summed; replicated along those axes."""
+    dims, lengths = left
+    cut = [d for d in dims if layout.cut(dec, d)]
+    if not local.is_complex():
+        local = local.to(torch.result_type(local, 1j))
+    shape = list(dec.global_shape)
+    for d, n in zip(dims, lengths):
+        if d in cut:
+            local = fftband.partial(local, dec, d, kept[d], n, fam.full is torch.fft.ifftn, norm)
+            shape[d] = len(kept[d])
+    comm = layout.comm_of(dec, cut)
+    shard = {k: a for k, a in dec.shard.items() if k not in cut}
+    dec = layout.derive(dec, shape, shard, {k: dec.block_sizes(k) for k in shard})
+    rest = [(d, n) for d, n in zip(dims, lengths) if d not in cut]
+    if rest:  # whole here: torch's transform, then the band
+        done = fftplan.transformed(dec, dict(rest))
+        phase = fftplan.Phase(None, tuple(d for d, _ in rest), tuple(n for _, n in rest), False, done)
+        local, dec = _run(fam, norm, local, dec, [phase])
+        for d, _ in rest:
+            if d in kept:
+                local = local.index_select(d, torch.tensor(kept[d], device=local.device))
+                shape[d] = len(kept[d])
+        dec = fftplan.transformed(dec, {d: shape[d] for d, _ in rest})
+    return DomainTensor(ag.allreduce_sum(local, comm), dec)
 
 
 def _unpadded(x: DomainTensor, dims) -> DomainTensor:
@@ -414,33 +391,6 @@ def _unpadded(x: DomainTensor, dims) -> DomainTensor:
     for d, end in trim.items():
         local, dec = index.slice_dim(local, dec, d, 0, end, 1)
     return DomainTensor(local, dec)
-
-
-def _phases(func, dec: Decomposition, dims, lengths, out_lengths, kind, split):
-    """The plan, and None; or, where no dim can take a cut transform dim's grid
-    axis, the plan from a layout ``start`` on a merged grid, and ``start``."""
-    try:
-        return _plan(func, dec, dims, lengths, out_lengths, kind, split=split), None
-    except UnsupportedOpError as refusal:
-        for start in _merged_starts(dec, dims):
-            try:
-                return _plan(func, start, dims, lengths, out_lengths, kind, split=split), start
-            except UnsupportedOpError:
-                continue
-        raise refusal from None
-
-
-def _merged_starts(dec: Decomposition, dims):
-    """Layouts to start from when the plan finds no free dim (module docstring):
-    the cut transform dims' axes merged onto the first of them; then every cut
-    dim's axes merged onto the largest cut dim the call does not transform."""
-    cut = [d for d in range(dec.ndim) if layout.cut(dec, d)]
-    ours = [d for d in cut if d in dims]
-    if len(ours) > 1:
-        yield layout.merged(dec, ours, ours[0])
-    others = sorted((d for d in cut if d not in dims), key=lambda d: (-dec.global_shape[d], d))
-    if others and ours:
-        yield layout.merged(dec, cut, others[0])
 
 
 # -- fftshift, ifftshift --------------------------------------------------------------------------
