@@ -282,9 +282,15 @@ def _deferred(func, fam: _Family, norm, start, head, tail, call) -> Deferred:
     left = (tuple(dims[k] for k in rest), tuple(lengths[k] for k in rest),
             tuple(out_lengths[k] for k in rest), None if fam.kind == "r2c" else fam.kind)
     cache: dict = {}
+    x, (phase,) = start[0], head[:1]
+    # the block RealToHalf transformed, and its options: a slice of its bins is
+    # taken by HalfBins, whose backward does not fill the half spectrum
+    half = (x, (x.shape[phase.dims[0]], phase.lengths[0], phase.dims[0], norm)) if \
+        fam.half is halfspec.rfftn and len(head) == 1 and phase.half and phase.then is None \
+        and not x.is_complex() and x.numel() else None
 
     def take(whole: Deferred, key) -> DomainTensor | None:
-        return _take(func, fam, norm, (local, dec), done, left, cache, whole, key)
+        return _take(func, fam, norm, (local, dec, half), done, left, cache, whole, key)
 
     return Deferred(tail[-1].out, dtype, local.device,
                     lambda: _run(fam, norm, local, dec, tail)[0], take)
@@ -310,10 +316,15 @@ def _take(func, fam: _Family, norm, start, done, left, cache, whole: Deferred, k
         return None
     tag = tuple(sorted(first.items()))
     if tag not in cache:  # what these slices keep, and what was computed from it
-        local, dec = start
-        with whole.as_made():
-            for d, (lo, hi, step) in first.items():
-                local, dec = index.slice_dim(local, dec, d, lo, hi, step)
+        whole_block, dec, half = start
+        local = whole_block
+        bins_dim = None if half is None else half[1][2]
+        with whole.as_made():  # RealToHalf's dim first, while the spectrum is whole
+            for d in sorted(first, key=lambda d: d != bins_dim):
+                lo, hi, step = first[d]
+                sliced, dec = index.slice_dim(local, dec, d, lo, hi, step)
+                local = halfspec.HalfBins.apply(half[0], local.detach(), lo, hi, half[1]) \
+                    if d == bins_dim and step == 1 and local is whole_block else sliced
         cache[tag] = {"in": (local, dec), "bands": []}
     entry = cache[tag]
     local, dec = entry["in"]

@@ -11,7 +11,9 @@ products per line), and one allreduce over the cut dims' grid axes sums the
 partial spectra (``AllreduceSum``): every rank then holds the band whole along
 those dims, replicated along their axes. The message is ``k`` lines instead of
 ``n/P``, and backward needs none (the allreduce's adjoint is the identity). It
-is taken where it moves less: ``2 k P <= n`` along every cut dim.
+is taken where it moves less: ``2 k P <= n`` along every cut dim, so a band
+holds at most half as many lines of that dim as a block does (the FNO2d's:
+8 channels x 16 x 8 complex modes, 16 KiB on every rank).
 
 A band holds the slice's modes ``[lo, hi)`` and their reflection ``[n - hi, n - lo)``:
 the two slices an FNO takes (``[:m]``, then ``[-m:]``) share one allreduce.

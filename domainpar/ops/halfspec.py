@@ -20,6 +20,13 @@ block's length) is undone by cutting the gradient, trimming by zeros.
 Local, as torch's rfft on the block (``ops.fft`` calls it for its real-to-complex
 phase, which always holds one dim). The backward is differentiable, so second
 derivatives work as through torch's own.
+
+A slice of the bins (an FNO keeps the first ``m``) would zero-fill the whole
+half spectrum in its backward, for ``RealToHalf``'s: ``HalfBins`` takes the bins
+from the spectrum computed already and runs ``half_adjoint`` on them alone
+(``irfft`` pads them to the half spectrum line by line). rfft of 1x8x512x512
+and its first 8 bins, forward and backward, one process (machine B of
+docs/benchmarks.md, ``docs/results/2026-11-26/halfbins-ab.txt``): 5.7-6.1 -> 4.9 ms.
 """
 from __future__ import annotations
 
@@ -41,6 +48,28 @@ class RealToHalf(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         return half_adjoint(grad, *ctx.options), None, None, None
+
+
+class HalfBins(torch.autograd.Function):
+    """Local. Bins ``lo .. hi`` along ``dim`` of ``spectrum``, the ``RealToHalf`` of
+    ``x`` under ``options`` = ``(length, n, dim, norm)``, computed already and
+    passed detached; backward: ``half_adjoint`` of those bins alone (module
+    docstring)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, spectrum: torch.Tensor, lo: int, hi: int,
+                options: tuple) -> torch.Tensor:
+        ctx.lo, ctx.options = lo, options
+        return spectrum.narrow(options[2], lo, hi - lo).clone()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        dim = ctx.options[2]
+        if ctx.lo:  # the bins below, zeros
+            shape = list(grad.shape)
+            shape[dim] = ctx.lo
+            grad = torch.cat([grad.new_zeros(shape), grad], dim)
+        return half_adjoint(grad, *ctx.options), None, None, None, None
 
 
 def half_adjoint(grad: torch.Tensor, length: int, n: int, dim: int,
