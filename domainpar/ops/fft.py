@@ -232,7 +232,7 @@ def fft(func, args, kwargs):
     phases, start = fftplan.phases(name, dec, dims, lengths, out_lengths, fam.kind, split)
     if start is None:
         phases = fftplan.cut_replicated(phases)
-    if start is not None:
+    else:
         local, dec = ag.repartition(local, dec, start), start
     moves = [k for k, phase in enumerate(phases) if phase.src is not None]
     head = moves[0] if moves else 1  # the phases before the first transpose
@@ -282,9 +282,9 @@ def _deferred(func, fam: _Family, norm, start, head, tail, call) -> Deferred:
     left = (tuple(dims[k] for k in rest), tuple(lengths[k] for k in rest),
             tuple(out_lengths[k] for k in rest), None if fam.kind == "r2c" else fam.kind)
     cache: dict = {}
-    x, (phase,) = start[0], head[:1]
     # the block RealToHalf transformed, and its options: a slice of its bins is
     # taken by HalfBins, whose backward does not fill the half spectrum
+    x, phase = start[0], head[0]
     half = (x, (x.shape[phase.dims[0]], phase.lengths[0], phase.dims[0], norm)) if \
         fam.half is halfspec.rfftn and len(head) == 1 and phase.half and phase.then is None \
         and not x.is_complex() and x.numel() else None
@@ -316,16 +316,8 @@ def _take(func, fam: _Family, norm, start, done, left, cache, whole: Deferred, k
         return None
     tag = tuple(sorted(first.items()))
     if tag not in cache:  # what these slices keep, and what was computed from it
-        whole_block, dec, half = start
-        local = whole_block
-        bins_dim = None if half is None else half[1][2]
-        with whole.as_made():  # RealToHalf's dim first, while the spectrum is whole
-            for d in sorted(first, key=lambda d: d != bins_dim):
-                lo, hi, step = first[d]
-                sliced, dec = index.slice_dim(local, dec, d, lo, hi, step)
-                local = halfspec.HalfBins.apply(half[0], local.detach(), lo, hi, half[1]) \
-                    if d == bins_dim and step == 1 and local is whole_block else sliced
-        cache[tag] = {"in": (local, dec), "bands": []}
+        with whole.as_made():
+            cache[tag] = {"in": _sliced(start, first), "bands": []}
     entry = cache[tag]
     local, dec = entry["in"]
     band = None if "whole" in entry else \
@@ -353,6 +345,22 @@ def _take(func, fam: _Family, norm, start, done, left, cache, whole: Deferred, k
     out = index.getitem(torch.Tensor.__getitem__, (spectrum, then), {})
     aliasing.mark_copied(whole, out, _COPIED)
     return out
+
+
+def _sliced(start, first: dict) -> tuple[torch.Tensor, Decomposition]:
+    """Local. The block and layout of a transform's result in transit (``start``:
+    block, layout and ``_deferred``'s ``half``) after the slices ``first`` of dims
+    it no longer transforms: RealToHalf's dim first, by HalfBins, while the
+    spectrum is whole."""
+    whole, dec, half = start
+    bins_dim = None if half is None else half[1][2]
+    local = whole
+    for d in sorted(first, key=lambda d: d != bins_dim):
+        lo, hi, step = first[d]
+        sliced, dec = index.slice_dim(local, dec, d, lo, hi, step)
+        local = halfspec.HalfBins.apply(half[0], local.detach(), lo, hi, half[1]) \
+            if d == bins_dim and step == 1 and local is whole else sliced
+    return local, dec
 
 
 def _band(fam: _Family, norm, local, dec: Decomposition, left, kept) -> DomainTensor:
