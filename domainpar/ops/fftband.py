@@ -71,10 +71,11 @@ def enabled(grid: ProcessGrid) -> bool:
 
 def modes(dec: Decomposition, dims: Sequence[int], lengths: Sequence[int],
           per: Sequence[tuple[int, int, int]]) -> dict[int, tuple[int, ...]] | None:
-    """Local, the same on every rank. The band's modes (sorted) along each of the
-    transform dims ``dims`` (lengths ``lengths``) that the slice ``per`` (one
-    normalised ``(start, stop, step)`` per dim) cuts; None where a band does not
-    pay: no transform dim cut, or a cut one kept whole, with a step, or too wide."""
+    """Collective the first time on a grid (``enabled``), Local after; the same on
+    every rank. The band's modes (sorted) along each of the transform dims ``dims``
+    (lengths ``lengths``) that the slice ``per`` (one normalised ``(start, stop,
+    step)`` per dim) cuts; None where a band does not pay: no transform dim cut,
+    or a cut one kept whole, with a step, or too wide."""
     cut = [d for d in dims if layout.cut(dec, d)]
     if not cut or not enabled(dec.grid):
         return None
