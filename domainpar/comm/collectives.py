@@ -380,11 +380,12 @@ def repartition(block: Any, src: Decomposition, dst: Decomposition, *,
         _check_own_block("repartition", src, arr, problem)
     assert plan is not None and not isinstance(arr, Exception)  # else _check_block raised
     (send_boxes, scounts, sdispls), (recv_boxes, rcounts, rdispls) = plan
-    send = _pack_boxes(arr, send_boxes, arr.dtype.itemsize)
     out = buffers.empty(dst.local_shape(), arr.dtype, arr)
-    if _stays_local(src, dst):  # every rank's pieces are its own: no message
-        _unpack_boxes(send, out, recv_boxes, arr.dtype.itemsize)
+    if _stays_local(src, dst):  # its own piece (or none), copied straight: no message
+        for sent, kept in zip(send_boxes, recv_boxes):
+            out[kept] = arr[sent]
         return out
+    send = _pack_boxes(arr, send_boxes, arr.dtype.itemsize)
     recv = buffers.empty((sum(rcounts),), np.uint8, arr)
     wire_send, wire_recv = to_wire(send), to_wire(recv)
     src.grid.comm.Alltoallv([wire_send, (scounts, sdispls), MPI.BYTE],
