@@ -191,6 +191,30 @@ def test_torch_errors_on_every_rank():
                              lambda kw=kw: F.interpolate(x, **kw))
 
 
+@pytest.mark.mpi
+@pytest.mark.parametrize("shard, kernel", (({0: 0}, (3, 4)), ({2: 0}, (3, 4)),
+                                           ({2: 0, 3: 1}, (4,)), ({2: 0, 3: 1, 4: 2}, ())),
+                         ids=("none-cut", "D-cut", "DH-cut", "DHW-cut"))
+def test_linear_modes_hand_whole_trailing_dims_to_torch(monkeypatch, shard, kernel):
+    """Trilinear: the trailing spatial dims not cut, two at most, go to torch's
+    bilinear or linear kernel in one call; taps cover the others (D even with no
+    dim cut); the result is torch's."""
+    calls = []
+    for name in ("kernel_pass", "apply_taps"):
+        real = getattr(resample, name)
+        monkeypatch.setattr(resample, name, lambda c, d, *rest, real=real, name=name: (
+            calls.append((name, d)), real(c, d, *rest))[1])
+    shape = (2, 2, 9, 7, 6)
+    whole = global_tensor(shape)
+    x = _cut(shape, shard)
+    got = F.interpolate(x, scale_factor=(2, 1.5, 2), mode="trilinear", align_corners=False)
+    taps = {d for name, d in calls if name == "apply_taps"}
+    assert taps == set(range(2, 5)) - set(kernel)
+    assert [d for name, d in calls if name == "kernel_pass"] == ([kernel] if kernel else [])
+    torch.testing.assert_close(got.full_tensor(), F.interpolate(
+        whole, scale_factor=(2, 1.5, 2), mode="trilinear", align_corners=False))
+
+
 # -- serial: the taps themselves --------------------------------------------------------------
 def tap_sample():
     rng = random.Random(7)
@@ -236,3 +260,30 @@ def test_taps_reproduce_torch(dtype):
             out = resample.apply_taps(out, d, index, weight)
         torch.testing.assert_close(out, F.interpolate(x, **kw), rtol=tol[0], atol=tol[1],
                                    msg=lambda m, shape=shape, kw=kw: f"{shape} {kw}: {m}")
+
+
+@pytest.mark.parametrize("dtype", (torch.float64, torch.float32))
+def test_kernel_pass_after_taps_reproduces_torch(dtype):
+    """In the linear modes, taps along the leading spatial dims and then torch's
+    linear or bilinear kernel along the last one or two (``kernel_pass``) is torch's
+    interpolation: float64 to ~1e-13, float32 to torch's own rounding."""
+    tol = {torch.float64: (1e-12, 1e-13), torch.float32: (1e-5, 1e-6)}[dtype]
+    checked = 0
+    for i, (shape, kw) in enumerate(tap_sample()):
+        if kw["mode"] not in INTERPOLATING or kw["mode"] == "bicubic" or kw["antialias"]:
+            continue
+        x = global_tensor(shape, dtype, seed=i)
+        want = F.interpolate(x, **kw)
+        for k in range(1, min(2, len(shape) - 2) + 1):
+            kernel = tuple(range(len(shape) - k, len(shape)))
+            out = x
+            for d, t in resample.dim_taps(x.shape, dtype, "cpu", kw,
+                                          range(2, len(shape) - k)).items():
+                index, weight = resample.local_taps(t, 0, t.index.shape[1], 0, out.shape[d],
+                                                    dtype, "cpu")
+                out = resample.apply_taps(out, d, index, weight)
+            out = resample.kernel_pass(out, kernel, kw, want.shape[len(shape) - k:])
+            torch.testing.assert_close(out, want, rtol=tol[0], atol=tol[1],
+                                       msg=lambda m, shape=shape, kw=kw: f"{shape} {kw}: {m}")
+            checked += 1
+    assert checked >= 25  # the sample holds linear modes of each dimensionality

@@ -22,6 +22,21 @@ random probe checks them against torch to its own rounding, and ``P`` doubles
 until it holds (``P >= n`` is the identity probe, exact by construction).
 Probes are cached per (dim size, arguments, dtype, device).
 
+Linear modes along whole trailing dims: torch's own kernel. Taps along every
+dim would copy the field once per tap and dim (an ``index_select`` and an
+``addcmul_`` each); torch's kernels do a dim's taps in one pass. So in modes
+linear, bilinear and trilinear (no antialias) the trailing spatial dims that are
+not cut, two at most, go to torch's own linear or bilinear kernel in one call on
+the cells viewed as ``(N, C x the other dims, ...)``, with the caller's size or
+scale factor, align_corners and recompute_scale_factor for those dims (whole
+dims: the global op's taps there); the taps cover the rest. A trilinear call with
+no dim cut takes that path too, torch's bilinear kernel on (H, W) after the taps
+along D: measured on torch 2.13.0, CPU, one thread, 1x8x64^3 -> 128^3, forward
+and forward + backward (medians of 6, alternating): torch's trilinear 154 and
+354 ms, taps along all three dims 261 and 512 ms, taps along D and torch's
+bilinear 76 and 238 ms. The result differs from torch's trilinear by rounding
+only (the sum of products taken in another order), as the taps' does.
+
 Output layout: output ``j`` goes to the rank holding the input cell nearest to
 its taps' weighted centre (``window.plan_axis`` anchors), so a 2x upsample of
 an even layout stays even.
@@ -41,6 +56,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -57,6 +74,7 @@ _NAMES = ("input", "size", "scale_factor", "mode", "align_corners", "recompute_s
           "antialias")
 _DEFAULTS = {"mode": "nearest", "antialias": False}
 _SELECTING = ("nearest", "nearest-exact")  # modes whose taps are pure selections
+_LINEAR = ("linear", "bilinear", "trilinear")  # torch's kernel by the number of dims it takes
 
 
 @dataclasses.dataclass(frozen=True, eq=False)  # hashed by identity: taps() caches them
@@ -198,18 +216,56 @@ def _per_dim(value, nsp: int) -> list:
     return list(value) if isinstance(value, (tuple, list, torch.Size)) else [value] * nsp
 
 
-def dim_taps(shape, dtype: torch.dtype, device, opts: dict) -> dict[int, Taps]:
-    """Local. ``{dim: Taps}`` for every spatial dim of an input of global ``shape``
-    under ``F.interpolate`` options ``opts`` (size, scale_factor, mode,
-    align_corners, recompute_scale_factor, antialias)."""
-    nsp = len(shape) - 2
+def _per_spatial_dim(opts: dict, nsp: int) -> tuple[bool, list]:
+    """Whether ``opts`` gives sizes (else scale factors), and each spatial dim's."""
     by_size = opts.get("size") is not None
-    per_dim = ([int(s) for s in _per_dim(opts["size"], nsp)] if by_size
-               else [float(s) for s in _per_dim(opts["scale_factor"], nsp)])
+    return by_size, ([int(s) for s in _per_dim(opts["size"], nsp)] if by_size
+                     else [float(s) for s in _per_dim(opts["scale_factor"], nsp)])
+
+
+def dim_taps(shape, dtype: torch.dtype, device, opts: dict,
+             dims: Sequence[int] | None = None) -> dict[int, Taps]:
+    """Local. ``{dim: Taps}`` for the spatial dims ``dims`` (default: every one) of an
+    input of global ``shape`` under ``F.interpolate`` options ``opts`` (size,
+    scale_factor, mode, align_corners, recompute_scale_factor, antialias)."""
+    nsp = len(shape) - 2
+    by_size, per_dim = _per_spatial_dim(opts, nsp)
     return {d: taps(shape[d], nsp, d - 2, per_dim[d - 2], by_size, opts.get("mode", "nearest"),
                     opts.get("align_corners"), opts.get("recompute_scale_factor"),
                     bool(opts.get("antialias")), _probe_dtype(dtype), str(device))
-            for d in range(2, len(shape))}
+            for d in (range(2, len(shape)) if dims is None else dims)}
+
+
+def kernel_dims(dec, mode: str, antialias: bool) -> tuple[int, ...]:
+    """Local. The trailing spatial dims, two at most and none sharded, that torch's own
+    linear or bilinear kernel interpolates (module docstring); none for other modes
+    and for antialias."""
+    if mode not in _LINEAR or antialias:
+        return ()
+    dims: list[int] = []
+    for d in reversed(range(2, dec.ndim)):
+        if d in dec.shard or len(dims) == 2:
+            break
+        dims.insert(0, d)
+    return tuple(dims)
+
+
+def kernel_pass(cells: torch.Tensor, dims: tuple[int, ...], opts: dict,
+                out_sizes: Sequence[int]) -> torch.Tensor:
+    """Local. torch's linear (one dim) or bilinear (two) interpolation along the whole
+    trailing spatial dims ``dims`` of ``cells`` (to ``out_sizes``), in one call on them
+    viewed as ``(N, C x the other dims, *dims)``, with ``opts``' arguments for those dims."""
+    lead = cells.shape[:cells.ndim - len(dims)]
+    if cells.numel() == 0:  # torch's kernels refuse empty inputs; the graph must still be built
+        return window.placeholder(tuple(lead) + tuple(out_sizes), cells, cells)
+    by_size, per_dim = _per_spatial_dim(opts, cells.ndim - 2)
+    picked = [per_dim[d - 2] for d in dims]
+    kw = {"size": picked} if by_size else \
+        {"scale_factor": picked, "recompute_scale_factor": opts.get("recompute_scale_factor")}
+    flat = cells.reshape(lead[0], math.prod(lead[1:]), *cells.shape[len(lead):])
+    out = F.interpolate(flat, mode=_LINEAR[len(dims) - 1],
+                        align_corners=opts.get("align_corners"), **kw)
+    return out.reshape(*lead, *out.shape[2:])
 
 
 @register(F.interpolate)
@@ -229,9 +285,41 @@ def interpolate(func, args, kwargs):
             f"{op_name(func)}: the channel dim 1 is sharded ({layout.sharded_dims_text(dec)}); "
             f"redistribute so that channels are whole on every rank")
     spatial = [d for d in range(2, x.ndim) if d in dec.shard]
-    if not spatial:
-        return DomainTensor(func(x._local, **opts), window.out_layout(dec, out_shape))
     mode = a["mode"]
+    kernel = kernel_dims(dec, mode, bool(a["antialias"]))
+    if not spatial and len(kernel) in (0, x.ndim - 2):  # torch's op on the block as it is
+        return DomainTensor(func(x._local, **opts), window.out_layout(dec, out_shape))
+    if spatial:
+        _refuse(func, x, a, out_shape)
+    tapped = [d for d in range(2, x.ndim) if d not in kernel]
+    all_taps = dim_taps(x.shape, x.dtype, x.device, opts, tapped)
+    plans = {d: _plan(t, window.block_sizes(dec, d)) for d, t in all_taps.items()}
+    out_dec = window.out_layout(dec, out_shape, plans)
+
+    cells = window.gather(x, plans)
+    # Shrinking dims first (the later passes then work on fewer cells), innermost
+    # first among the rest: index_select along an outer dim copies whole rows, the
+    # fast case, so it is best kept for the largest tensors (4x on a 2x trilinear).
+    # torch's kernel goes first where it shrinks its dims, else last.
+    shrinks = math.prod(out_shape[d] for d in kernel) < math.prod(x.shape[d] for d in kernel)
+    if kernel and shrinks:
+        cells = kernel_pass(cells, kernel, opts, [out_shape[d] for d in kernel])
+    for d in sorted(plans, key=lambda d: (out_shape[d] > x.shape[d], -d)):
+        p, c = plans[d], window.coordinate(dec, d)
+        start = p.out_offsets[c]
+        first, stop = p.need[c]
+        index, weight = local_taps(all_taps[d], start, start + p.out_sizes[c], first,
+                                   stop - first, x.dtype, str(x.device))
+        cells = apply_taps(cells, d, index, weight)
+    if kernel and not shrinks:
+        cells = kernel_pass(cells, kernel, opts, [out_shape[d] for d in kernel])
+    return DomainTensor(cells, out_dec)
+
+
+def _refuse(func, x: DomainTensor, a: dict, out_shape) -> None:
+    """Raise UnsupportedOpError (alike on every rank) for what is refused with a
+    spatial dim sharded (module docstring)."""
+    mode, dec = a["mode"], x._dec
     if not (x.dtype.is_floating_point or mode in _SELECTING):
         raise UnsupportedOpError(
             f"{op_name(func)}: mode {mode!r} on {x.dtype} with sharded spatial dims "
@@ -242,19 +330,3 @@ def interpolate(func, args, kwargs):
             f"{op_name(func)}: antialias=True with an output width of 1 and a resized height "
             f"is refused on sharded spatial dims: torch's own kernel copies the first output "
             f"row there (torch {torch.__version__}), so there is no reference to match")
-    all_taps = dim_taps(x.shape, x.dtype, x.device, opts)
-    plans = {d: _plan(t, window.block_sizes(dec, d)) for d, t in all_taps.items()}
-    out_dec = window.out_layout(dec, out_shape, plans)
-
-    cells = window.gather(x, plans)
-    # Shrinking dims first (the later passes then work on fewer cells), innermost
-    # first among the rest: index_select along an outer dim copies whole rows, the
-    # fast case, so it is best kept for the largest tensors (4x on a 2x trilinear).
-    for d in sorted(plans, key=lambda d: (out_shape[d] > x.shape[d], -d)):
-        p, c = plans[d], window.coordinate(dec, d)
-        start = p.out_offsets[c]
-        first, stop = p.need[c]
-        index, weight = local_taps(all_taps[d], start, start + p.out_sizes[c], first,
-                                   stop - first, x.dtype, str(x.device))
-        cells = apply_taps(cells, d, index, weight)
-    return DomainTensor(cells, out_dec)
