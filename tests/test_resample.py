@@ -93,11 +93,16 @@ def atol(dtype):
 
 @pytest.mark.mpi
 @pytest.mark.parametrize("nsp, kw, kind, grid_ndim, dtype", option_sample())
-def test_interpolate_matches_one_process(nsp, kw, kind, grid_ndim, dtype):
+def test_interpolate_matches_one_process(monkeypatch, nsp, kw, kind, grid_ndim, dtype):
+    """In the linear modes also with torch's bilinear kernel on planes of any size
+    (``PLANE`` 0), as the field sizes that take it by default are large."""
     shape = SHAPES[nsp]
     grid, shard, sizes = sharded_layout(shape, kind, grid_ndim)
-    assert_matches_single_process(lambda x: F.interpolate(x, **kw), global_tensor(shape, dtype),
-                                  grid, shard, sizes=sizes, atol=atol(dtype))
+    for plane in (resample.PLANE, 0)[:1 + (kw["mode"] in ("bilinear", "trilinear"))]:
+        monkeypatch.setattr(resample, "PLANE", plane)
+        assert_matches_single_process(lambda x: F.interpolate(x, **kw),
+                                      global_tensor(shape, dtype), grid, shard, sizes=sizes,
+                                      atol=atol(dtype))
 
 
 UPSAMPLES = [
@@ -192,19 +197,21 @@ def test_torch_errors_on_every_rank():
 
 
 @pytest.mark.mpi
-@pytest.mark.parametrize("shard, kernel", (({0: 0}, (3, 4)), ({2: 0}, (3, 4)),
-                                           ({2: 0, 3: 1}, (4,)), ({2: 0, 3: 1, 4: 2}, ())),
-                         ids=("none-cut", "D-cut", "DH-cut", "DHW-cut"))
-def test_linear_modes_hand_whole_trailing_dims_to_torch(monkeypatch, shard, kernel):
-    """Trilinear: the trailing spatial dims not cut, two at most, go to torch's
-    bilinear or linear kernel in one call; taps cover the others (D even with no
-    dim cut); the result is torch's."""
+@pytest.mark.parametrize("shape, shard, kernel", (
+    ((1, 2, 4, 33, 33), {0: 0}, (3, 4)), ((1, 2, 4, 33, 33), {2: 0}, (3, 4)),
+    ((2, 2, 9, 32, 32), {2: 0}, (4,)), ((2, 2, 9, 7, 6), {2: 0, 3: 1}, (4,)),
+    ((2, 2, 9, 7, 6), {2: 0, 3: 1, 4: 2}, ())),
+    ids=("none-cut", "D-cut", "D-cut-small-planes", "DH-cut", "DHW-cut"))
+def test_linear_modes_hand_whole_trailing_dims_to_torch(monkeypatch, shape, shard, kernel):
+    """Trilinear: the last spatial dim, not cut, goes to torch's linear kernel, and
+    the last two, neither cut, on planes of more than 1024 cells to its bilinear
+    kernel, in one call; taps cover the others (D even with no dim cut); the
+    result is torch's."""
     calls = []
     for name in ("kernel_pass", "apply_taps"):
         real = getattr(resample, name)
         monkeypatch.setattr(resample, name, lambda c, d, *rest, real=real, name=name: (
             calls.append((name, d)), real(c, d, *rest))[1])
-    shape = (2, 2, 9, 7, 6)
     whole = global_tensor(shape)
     x = _cut(shape, shard)
     got = F.interpolate(x, scale_factor=(2, 1.5, 2), mode="trilinear", align_corners=False)

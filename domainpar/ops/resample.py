@@ -22,20 +22,33 @@ random probe checks them against torch to its own rounding, and ``P`` doubles
 until it holds (``P >= n`` is the identity probe, exact by construction).
 Probes are cached per (dim size, arguments, dtype, device).
 
-Linear modes along whole trailing dims: torch's own kernel. Taps along every
-dim would copy the field once per tap and dim (an ``index_select`` and an
-``addcmul_`` each); torch's kernels do a dim's taps in one pass. So in modes
-linear, bilinear and trilinear (no antialias) the trailing spatial dims that are
-not cut, two at most, go to torch's own linear or bilinear kernel in one call on
-the cells viewed as ``(N, C x the other dims, ...)``, with the caller's size or
+Linear modes along whole trailing dims: torch's own kernels. Taps along every
+dim copy the field once per tap and dim (an ``index_select`` and an
+``addcmul_`` each), and along the innermost dim ``index_select`` is a gather;
+torch's kernels do a dim's taps in one pass. So in modes linear, bilinear and
+trilinear (no antialias) the last spatial dim, where it is not cut, goes to
+torch's own linear kernel, and the last two, where neither is cut and their
+planes hold more than 1024 input cells, to its bilinear kernel, in one call on
+the cells viewed as ``(N, C x the other dims, ...)`` with the caller's size or
 scale factor, align_corners and recompute_scale_factor for those dims (whole
-dims: the global op's taps there); the taps cover the rest. A trilinear call with
-no dim cut takes that path too, torch's bilinear kernel on (H, W) after the taps
-along D: measured on torch 2.13.0, CPU, one thread, 1x8x64^3 -> 128^3, forward
-and forward + backward (medians of 6, alternating): torch's trilinear 154 and
-354 ms, taps along all three dims 261 and 512 ms, taps along D and torch's
-bilinear 76 and 238 ms. The result differs from torch's trilinear by rounding
-only (the sum of products taken in another order), as the taps' does.
+dims: the global op's taps there); taps cover the rest. A trilinear call with
+no dim cut takes that path too. Measured on torch 2.13.0, CPU, one thread,
+float32, 2x up-sampling, per output cell (forward; forward + backward):
+
+- along the last dim: taps 17-34 ns (21-37), torch's linear kernel 1.0-1.2 ns
+  (5.6-5.9), for lines of 16 to 2048 cells;
+- along the last two: taps 7-9.5 ns (12-15); torch's bilinear kernel 2.1-2.4 ns
+  (8.9-9.3) on planes of more than 1024 cells, 10-14 ns (17-21) on planes of
+  1024 or fewer (28^2 to 32^2), where the taps along H and torch's linear kernel
+  along W are faster: 1x8x32^3 -> 64^3 6.9 ms (15.9), against 14.0 (23.4) by
+  taps alone and 18.1 (32.3) by taps along D and the bilinear kernel; on
+  1x8x64^3 -> 128^3 the bilinear kernel gives 33.8 ms (152), taps alone 158 (254),
+  torch's trilinear 154 (354).
+
+The linear kernel runs first (on the fewest cells), the bilinear one last
+(after the taps along D, measured faster than before them) unless it shrinks its
+dims. The result differs from torch's by rounding only (sums of products taken
+in another order), as the taps' does.
 
 Output layout: output ``j`` goes to the rank holding the input cell nearest to
 its taps' weighted centre (``window.plan_axis`` anchors), so a 2x upsample of
@@ -75,6 +88,7 @@ _NAMES = ("input", "size", "scale_factor", "mode", "align_corners", "recompute_s
 _DEFAULTS = {"mode": "nearest", "antialias": False}
 _SELECTING = ("nearest", "nearest-exact")  # modes whose taps are pure selections
 _LINEAR = ("linear", "bilinear", "trilinear")  # torch's kernel by the number of dims it takes
+PLANE = 1024  # torch's bilinear kernel is fast on planes of more input cells (module docstring)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)  # hashed by identity: taps() caches them
@@ -237,9 +251,10 @@ def dim_taps(shape, dtype: torch.dtype, device, opts: dict,
 
 
 def kernel_dims(dec, mode: str, antialias: bool) -> tuple[int, ...]:
-    """Local. The trailing spatial dims, two at most and none sharded, that torch's own
-    linear or bilinear kernel interpolates (module docstring); none for other modes
-    and for antialias."""
+    """Local. The trailing spatial dims that torch's own linear or bilinear kernel
+    interpolates (module docstring): the last one where it is not sharded, and the
+    one before it too where that is not sharded either and their planes hold more
+    than ``PLANE`` cells; none for other modes and for antialias."""
     if mode not in _LINEAR or antialias:
         return ()
     dims: list[int] = []
@@ -247,6 +262,8 @@ def kernel_dims(dec, mode: str, antialias: bool) -> tuple[int, ...]:
         if d in dec.shard or len(dims) == 2:
             break
         dims.insert(0, d)
+    if len(dims) == 2 and dec.global_shape[dims[0]] * dec.global_shape[dims[1]] <= PLANE:
+        dims = dims[1:]
     return tuple(dims)
 
 
@@ -300,9 +317,10 @@ def interpolate(func, args, kwargs):
     # Shrinking dims first (the later passes then work on fewer cells), innermost
     # first among the rest: index_select along an outer dim copies whole rows, the
     # fast case, so it is best kept for the largest tensors (4x on a 2x trilinear).
-    # torch's kernel goes first where it shrinks its dims, else last.
-    shrinks = math.prod(out_shape[d] for d in kernel) < math.prod(x.shape[d] for d in kernel)
-    if kernel and shrinks:
+    # torch's linear kernel goes first, its bilinear one last unless it shrinks its dims.
+    kernel_first = len(kernel) == 1 or \
+        math.prod(out_shape[d] for d in kernel) < math.prod(x.shape[d] for d in kernel)
+    if kernel and kernel_first:
         cells = kernel_pass(cells, kernel, opts, [out_shape[d] for d in kernel])
     for d in sorted(plans, key=lambda d: (out_shape[d] > x.shape[d], -d)):
         p, c = plans[d], window.coordinate(dec, d)
@@ -311,7 +329,7 @@ def interpolate(func, args, kwargs):
         index, weight = local_taps(all_taps[d], start, start + p.out_sizes[c], first,
                                    stop - first, x.dtype, str(x.device))
         cells = apply_taps(cells, d, index, weight)
-    if kernel and not shrinks:
+    if kernel and not kernel_first:
         cells = kernel_pass(cells, kernel, opts, [out_shape[d] for d in kernel])
     return DomainTensor(cells, out_dec)
 
