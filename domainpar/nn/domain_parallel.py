@@ -232,13 +232,11 @@ class _Reducer:
         the callable receiving its partial gradient, or None for tensors that are
         not this module's parameters (those are reduced by the op itself)."""
         i = self._index.get(id(p))
-        base = viewed = None
+        view = None
         if i is None:  # view_as_complex(parameter), or a slice of one: reduced as it
-            base = domain_params.complex_view_of(p)
-            if base is None:
-                base = viewed = domain_params.parameter_view_of(p)
-            if base is not None:
-                i = self._index.get(id(base))
+            view = domain_params.base_of(p)
+            if view is not None:
+                i = self._index.get(id(view[0]))
         if i is None:
             return None
         c = self._comm_index.get(id(comm))
@@ -250,13 +248,13 @@ class _Reducer:
                 "DomainParallel: a parameter used on tensors sharded over different grid "
                 "axes in one step; use it outside DomainParallel (per-op reductions)")
         self._uses[i] = self._uses.get(i, 0) + 1
-        if viewed is not None:
-            geometry = p.detach()  # the view's shape and strides, not its graph
-            return lambda grad: self._arrive(i, domain_params.view_gradient(geometry, viewed,
-                                                                            grad))
-        if base is not None:
+        if view is None:
+            return lambda grad: self._arrive(i, grad)
+        base, complex_view = view
+        if complex_view:
             return lambda grad: self._arrive(i, torch.view_as_real(grad))
-        return lambda grad: self._arrive(i, grad)
+        geometry = p.detach()  # the view's shape and strides, not its graph
+        return lambda grad: self._arrive(i, domain_params.view_gradient(geometry, base, grad))
 
     def agree_uses(self, failed: bool = False) -> None:
         """Collective (one nonblocking allreduce over the grid). Agree on the

@@ -72,6 +72,17 @@ def parameter_view_of(p: torch.Tensor) -> torch.nn.Parameter | None:
     return base
 
 
+def base_of(p: torch.Tensor) -> tuple[torch.Tensor, bool] | None:
+    """Local. The tensor whose values the view ``p`` holds, and whether ``p`` is its
+    ``view_as_complex`` (``complex_view_of``; else a view of a parameter in its own
+    dtype, ``parameter_view_of``); None for any other tensor."""
+    base = complex_view_of(p)
+    if base is not None:
+        return base, True
+    base = parameter_view_of(p)
+    return None if base is None else (base, False)
+
+
 def view_gradient(view: torch.Tensor, base: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
     """Local. The gradient of the contiguous ``base`` from the gradient ``grad`` of its
     view ``view`` (``parameter_view_of``): ``grad`` where the view's elements lie,
@@ -110,11 +121,9 @@ def check_replicated(p: torch.Tensor, comm: MPI.Comm) -> None:
     small allreduce per tensor, once (gradients are summed over the ranks, so
     optimizer steps keep replicated parameters equal).
     """
-    base = complex_view_of(p)
-    if base is None:
-        base = parameter_view_of(p)
-    if base is not None:  # a view holds its base's values: check the base, once
-        p = base
+    viewed = base_of(p)
+    if viewed is not None:  # a view holds its base's values: check the base, once
+        p = viewed[0]
     if comm.Get_size() == 1 or _CHECKED.get(id(p)) is p:
         return
     data = p.detach().reshape(-1)
