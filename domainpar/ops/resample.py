@@ -31,9 +31,10 @@ torch's own linear kernel, and the last two, where neither is cut and their
 planes hold more than 1024 input cells, to its bilinear kernel, in one call on
 the cells viewed as ``(N, C x the other dims, ...)`` with the caller's size or
 scale factor, align_corners and recompute_scale_factor for those dims (whole
-dims: the global op's taps there); taps cover the rest. A trilinear call with
-no dim cut takes that path too. Measured on torch 2.13.0, CPU, one thread,
-float32, 2x up-sampling, per output cell (forward; forward + backward):
+dims: the global op's taps there); taps cover the rest. With no dim cut,
+torch's op runs on the block as it is, but a trilinear one takes that path
+too. Measured on torch 2.13.0, CPU, one thread, float32, 2x up-sampling, per
+output cell (forward; forward + backward):
 
 - along the last dim: taps 17-34 ns (21-37), torch's linear kernel 1.0-1.2 ns
   (5.6-5.9), for lines of 16 to 2048 cells;
@@ -57,7 +58,7 @@ an even layout stays even.
 Supported: modes nearest, nearest-exact, linear, bilinear, bicubic, trilinear,
 area; ``size`` or ``scale_factor`` (scalar or per dim); ``align_corners``;
 ``recompute_scale_factor``; ``antialias`` (bilinear, bicubic). With no spatial
-dim sharded, torch runs on the local block as it is.
+dim sharded, torch runs on the local block as it is (trilinear: see above).
 
 Refused (UnsupportedOpError on every rank), with a spatial dim sharded unless
 said otherwise: the channel dim 1 sharded (always); modes other than nearest
@@ -304,7 +305,7 @@ def interpolate(func, args, kwargs):
     spatial = [d for d in range(2, x.ndim) if d in dec.shard]
     mode = a["mode"]
     kernel = kernel_dims(dec, mode, bool(a["antialias"]))
-    if not spatial and len(kernel) in (0, x.ndim - 2):  # torch's op on the block as it is
+    if not spatial and (mode != "trilinear" or not kernel):  # torch's op on the block
         return DomainTensor(func(x._local, **opts), window.out_layout(dec, out_shape))
     if spatial:
         _refuse(func, x, a, out_shape)
