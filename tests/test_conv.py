@@ -588,3 +588,38 @@ def test_ranks_choose_one_kernel_way(conv_tuning, monkeypatch, kind):
     empty = 0 in xs.to_local().shape
     assert list(onednn._CHOICES.values()) == ([] if empty else [ran[1]])
     assert empty or ran[1] is not None
+
+
+@pytest.mark.parametrize("kind,grid_ndim,periodic", [(k, g, p) for k in ("even", "uneven", "zero")
+                                                      for g in (1, 2) for p in (False, True)])
+def test_a_conv_that_wants_no_gradient_runs_without_the_function(kind, grid_ndim, periodic,
+                                                                 monkeypatch):
+    """Under ``torch.no_grad``, or in grad mode with no operand requiring a
+    gradient, a conv with ghost cells runs HaloConv's forward without the
+    Function (``halo_conv``: no autograd node, no saved slabs) and gives, bit for
+    bit, what the Function gives; with any operand requiring a gradient it takes
+    the Function. Both match one process."""
+    from domainpar.ops import conv as conv_ops
+    applied = []
+    apply = conv_ops.HaloConv.apply
+    monkeypatch.setattr(conv_ops.HaloConv, "apply",
+                        lambda *a: applied.append(1) or apply(*a))
+    shape = (1, 3, 9, 8, 7)
+    grid, shard, sizes = layout(shape, (2, 3), grid_ndim, kind, periodic=periodic, seed=4)
+    torch.manual_seed(2)  # the same weights on every rank
+    conv = nn.Conv3d(3, 2, 3, padding=1, dilation=(2, 1, 1)).double()
+    x = global_tensor(shape, seed=6)
+    truth = conv(x).detach()
+    xs = shard_like(x, grid, shard, sizes)
+    with_function = conv(xs)  # the weights require gradients
+    assert len(applied) == 1 and with_function.requires_grad
+    with torch.no_grad():
+        inference = conv(xs)
+    conv.requires_grad_(False)
+    frozen = conv(xs)
+    assert len(applied) == 1 and not inference.requires_grad and frozen.grad_fn is None
+    assert torch.equal(inference.to_local(), with_function.to_local().detach())
+    assert torch.equal(frozen.to_local(), inference.to_local())
+    assert (inference.full_tensor() - truth).abs().max() < 1e-12
+    conv(shard_like(x, grid, shard, sizes, requires_grad=True))  # the input alone
+    assert len(applied) == 2

@@ -47,7 +47,7 @@ from ..comm.errors import agree, signature_of
 from ..comm.runtime import switch
 from ..ops import window
 from ..ops.common import autocast_operands
-from ..ops.conv import ConvSpec, HaloConv, padding_pairs  # the unfused conv's Function, no halo
+from ..ops.conv import ConvSpec, halo_conv, padding_pairs  # the unfused conv's path, no halo
 from ..tensor.dispatch import UnsupportedOpError
 from ..tensor.domain_tensor import DomainTensor
 from ..tensor.params import enter_domain
@@ -317,7 +317,7 @@ def _conv(conv: Any, wb: tuple, t: torch.Tensor,
                for d, p in zip(range(2, t.ndim), torch_pads)]
     spec = ConvSpec.no_halo(_CONVS[type(conv)], torch_pads, tuple(conv.dilation), conv.groups,
                             (t.shape[0], conv.out_channels, *spatial))
-    out = HaloConv.apply(t, w, b, None, spec)
+    out = halo_conv(t, w, b, None, spec)
     return out, {d: (lo - pads[d - 2][0], hi - pads[d - 2][1]) for d, (lo, hi) in m.items()}
 
 

@@ -4,7 +4,9 @@ spatial dims (transposed convolutions: ``ops/conv_transpose.py``).
 - conv: every rank fills ghost cells around its block (a halo fill, zero
   padding outside the domain, also on a periodic grid) and runs torch's conv on
   the cells its outputs read, in one Function (``HaloConv``) that saves only
-  the block and the ghost slabs. Output layout: ``window.sliding``.
+  the block and the ghost slabs; where no gradient is wanted (``torch.no_grad``,
+  inference) the same forward runs without the Function and saves nothing
+  (``halo_conv``). Output layout: ``window.sliding``.
   ``padding_mode`` other than zeros reaches us as ``F.pad`` (nn.ConvNd pads
   first), which has its own rule.
 - conv_transpose (``ops/conv_transpose.py``): the adjoint of a conv, by halo
@@ -180,7 +182,7 @@ def conv(func, args, kwargs):
     if plan.exchanged:
         halo = window.exchange(dec, dict(spec.widths), {d: False for d in dec.shard})
     agree = _first_forward(key, dec)
-    return DomainTensor(HaloConv.apply(block, w, b, halo, spec, agree), plan.out_dec)
+    return DomainTensor(halo_conv(block, w, b, halo, spec, agree), plan.out_dec)
 
 
 _FIRST: set = set()  # conv plan keys whose first forward has run (the same on every rank)
@@ -289,17 +291,7 @@ class HaloConv(torch.autograd.Function):
     @staticmethod
     def forward(ctx, block, weight, bias, halo, spec: ConvSpec, agree=None):
         widths = dict(spec.widths)
-        padded = _padded_block(block, widths)
-        if halo is not None:
-            fill_in_place(padded, halo)
-        cells = _cells(padded, spec)
-        if 0 in spec.out_shape[2:]:
-            if agree is not None:
-                onednn.agree_on_nothing(agree)
-            out = block.new_zeros(spec.out_shape)
-        else:
-            out = local_conv(spec.func, cells, weight, bias, spec.stride, spec.padding,
-                             spec.dilation, spec.groups, agree=agree)
+        out, padded = _halo_conv_forward(block, weight, bias, halo, spec, agree)
         ctx.slabs = [(d, start, padded.narrow(d, start, size).clone())
                      for d, (lo, hi) in widths.items()
                      for start, size in ((0, lo), (lo + block.shape[d], hi)) if size]
@@ -330,6 +322,32 @@ class HaloConv(torch.autograd.Function):
             for d, (lo, _) in spec.widths:
                 g_block = g_block.narrow(d, lo, ctx.block_shape[d])
         return g_block, g_w, g_b, None, None, None
+
+
+def halo_conv(block, weight, bias, halo, spec: ConvSpec, agree=None) -> torch.Tensor:
+    """Neighbour-wise collective (and over ``agree``), as ``HaloConv``. Its output;
+    where no gradient is wanted (grad mode off, or no operand requiring one) the
+    same forward without an autograd node and without the ghost slabs it would
+    save: an inference forward copies no slab and keeps none."""
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad
+                                       for t in (block, weight, bias)):
+        return HaloConv.apply(block, weight, bias, halo, spec, agree)
+    return _halo_conv_forward(block, weight, bias, halo, spec, agree)[0]
+
+
+def _halo_conv_forward(block, weight, bias, halo, spec: ConvSpec, agree):
+    """(output, padded buffer) of HaloConv's forward: the block written into a
+    padded buffer, ghost cells filled by ``halo``, the local conv of the cells
+    this rank's outputs read."""
+    padded = _padded_block(block, dict(spec.widths))
+    if halo is not None:
+        fill_in_place(padded, halo)
+    if 0 in spec.out_shape[2:]:
+        if agree is not None:
+            onednn.agree_on_nothing(agree)
+        return block.new_zeros(spec.out_shape), padded
+    return local_conv(spec.func, _cells(padded, spec), weight, bias, spec.stride, spec.padding,
+                      spec.dilation, spec.groups, agree=agree), padded
 
 
 # Backward rebuilds the padded block from the saved block and ghost slabs. Whole,
