@@ -183,6 +183,24 @@ def test_scaling_efficiency_definitions():
     assert weak_shape((1, 2, 16, 8, 8), 3) == (1, 2, 48, 8, 8)
 
 
+def test_scaling_efficiency_round_by_round():
+    """With several rounds, each point's efficiency per round pairs its job with the
+    base's job of the same round; the pooled efficiency stays the medians'. One
+    round, or rounds that do not pair up, give none."""
+    from domainpar.bench.scaling import _efficiencies, _rounds_line
+    points = {"1": {"ranks": 1, "median_step_s": 8.0, "job_medians_s": [8.0, 12.0, 6.0]},
+              "2": {"ranks": 2, "median_step_s": 5.0, "job_medians_s": [5.0, 5.0, 6.0]},
+              "4": {"ranks": 4, "median_step_s": 4.0, "job_medians_s": [4.0]}}
+    _efficiencies(points, "strong")
+    assert points["2"]["efficiency"] == 0.8
+    assert points["2"]["round_efficiencies"] == [0.8, 1.2, 0.5]
+    assert "round_efficiencies" not in points["1"] and "round_efficiencies" not in points["4"]
+    line = _rounds_line("", "strong", "2", points["2"])
+    assert "efficiency round by round 0.50-1.20, median 0.80 (3 rounds" in line
+    _efficiencies(points, "weak")
+    assert points["2"]["round_efficiencies"] == [1.6, 2.4, 1.0]
+
+
 def test_scaling_model_inference_rounds(tmp_path):
     """--model, --inference and --rounds: the JSON names the model, the mode and
     the machine; each rank count pools one job's samples per round."""
@@ -206,8 +224,10 @@ def test_scaling_model_inference_rounds(tmp_path):
             assert min(p["samples_s"]) <= p["median_step_s"] <= max(p["samples_s"])
             assert p["speedup"] > 0
         assert points["1"]["efficiency"] == pytest.approx(1.0)
+        assert len(points["2"]["round_efficiencies"]) == 2
     assert "ViT2d(patch=4" in stdout and "inference forward (eval, no_grad)" in stdout
     assert "2 rounds alternating" in stdout
+    assert "strong, 2 ranks: efficiency round by round" in stdout
 
 
 def test_scaling_one_mode_plots(tmp_path):

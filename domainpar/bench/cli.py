@@ -290,7 +290,9 @@ def add_parser(subparsers) -> None:
                     "T1 / (n Tn)) and weak scaling (a fixed block per rank, the global "
                     "extent along dim 2 growing with the ranks; efficiency T1 / Tn). "
                     "--rounds R runs the jobs R times, alternating rank counts, and pools "
-                    "the samples (medians of interleaved runs). Strong scaling at a rank "
+                    "the samples (medians of interleaved runs), and prints each rank "
+                    "count's efficiency round by round (its job against the fewest ranks' job of "
+                    "that round): how far the machine moved it. Strong scaling at a rank "
                     "count whose block the weak run's 1-rank job also ran (2, by default) "
                     "gets a ceiling, T1 / (n x the 1-rank step on that block): what it "
                     "would reach if each rank took what one process takes on its block "
@@ -340,7 +342,8 @@ def add_parser(subparsers) -> None:
                               "(default 5)")
     scaling.add_argument("--rounds", type=positive(int), default=1,
                          help="run every rank count's job this many times, alternating rank "
-                              "counts, and pool the samples (default 1)")
+                              "counts, and pool the samples; with more than one, the "
+                              "efficiency round by round too (default 1)")
     scaling.add_argument("--width", type=positive(int), default=4,
                          help="unet3d: the channels at the first level; resnet3d: half "
                               "its width (default 4)")

@@ -145,17 +145,30 @@ def default_rank_counts(nprocs: int) -> list[int]:
     return counts + [nprocs]
 
 
+def _efficiency(mode: str, n0: int, t0: float, n: int, t: float) -> float:
+    """Local. Strong T0 n0 / (n Tn), weak T0 / Tn."""
+    return n0 * t0 / (n * t) if mode == "strong" else t0 / t
+
+
 def _efficiencies(points: dict, mode: str) -> None:
     """Add speedup and efficiency to each point, against the smallest rank count
-    (1 when it was run): strong T0 n0 / (n Tn), weak T0 / Tn."""
+    (1 when it was run): strong T0 n0 / (n Tn), weak T0 / Tn. With more than one
+    round, also ``round_efficiencies``: each round's job against the base's job of
+    that round (run just before it), so a reader sees how far a slow spell of the
+    machine moves the figure."""
     base = points[min(points, key=int)]
     n0, t0 = base["ranks"], base["median_step_s"]
+    base_rounds = base.get("job_medians_s") or []
     for p in points.values():
         n, t = p["ranks"], p["median_step_s"]
         p["speedup"] = t0 / t if mode == "strong" else n * t0 / (n0 * t)
-        p["efficiency"] = n0 * t0 / (n * t) if mode == "strong" else t0 / t
+        p["efficiency"] = _efficiency(mode, n0, t0, n, t)
         if "together_step_s" in p:  # domainpar's own share, the machine's contention aside
             p["efficiency_vs_together"] = p["together_step_s"] / t
+        rounds = p.get("job_medians_s") or []
+        if p is not base and len(rounds) == len(base_rounds) > 1:
+            p["round_efficiencies"] = [_efficiency(mode, n0, b, n, r)
+                                       for b, r in zip(base_rounds, rounds)]
 
 
 def _figures(jobs_by_count: dict, modes) -> dict:
@@ -308,6 +321,11 @@ def _print(report: dict, modes, log) -> None:
                 log(f"{name + ' ' if len(configs) > 1 else ''}strong, {n} ranks: ceiling "
                     f"{p['ceiling']:.2f} (1 rank on the field / {n} x 1 rank on one block), "
                     f"efficiency against it {p['efficiency_vs_ceiling']:.2f}")
+    for name, part in configs:
+        for mode in modes:
+            for n, p in part[mode]["points"].items():
+                if "round_efficiencies" in p:
+                    log(_rounds_line(name if len(configs) > 1 else "", mode, n, p))
     if "ratio_B_over_A" in report:
         for mode in modes:
             log(ratio_line(f"{mode} step (per rank count)", report["ratio_B_over_A"][mode]))
@@ -322,6 +340,14 @@ def _print(report: dict, modes, log) -> None:
         f"{min(report['rank_counts'])} rank(s)); {machine['cores']} cores on "
         f"{machine['host']}, load average {machine['loadavg_start'][0]:.1f} at the start, "
         f"{machine['loadavg_end'][0]:.1f} at the end.")
+
+
+def _rounds_line(name: str, mode: str, n: str, point: dict) -> str:
+    from .timing import median
+    e = point["round_efficiencies"]
+    return (f"{name + ' ' if name else ''}{mode}, {n} ranks: efficiency round by round "
+            f"{min(e):.2f}-{max(e):.2f}, median {median(e):.2f} ({len(e)} rounds; each "
+            f"round's job against the fewest ranks' job of that round)")
 
 
 def _together_columns(point: dict) -> str:
