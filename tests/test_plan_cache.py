@@ -235,3 +235,42 @@ def _counting(real, made, name):
         made[name] += 1
         return real(*args)
     return counted
+
+
+class _UpTo(torch.nn.Module):
+    """A transposed conv given ``output_size`` (torch then passes ``output_padding``
+    as a list)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(12)  # the same parameters on every rank
+        self.up = torch.nn.ConvTranspose2d(SHAPE[1], 2, 3, stride=2, padding=1,
+                                           dtype=torch.float64)
+
+    def forward(self, x):
+        return self.up(x, output_size=(2 * SHAPE[2], 2 * SHAPE[3] - 1))
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("grid_ndim,kind", CASES)
+def test_a_transposed_conv_given_output_size_plans_once(grid_ndim, kind, monkeypatch):
+    """nn.ConvTranspose given ``output_size`` passes ``output_padding`` as a list:
+    the plan's key holds it as a tuple, so the second call on a layout derives
+    nothing (it once made the plan afresh on every call); the result is one
+    process's."""
+    from domainpar.ops import conv_transpose as conv_transpose_ops
+    grid, shard, sizes = layout(SHAPE, CONV_SHARD_DIMS, grid_ndim, kind)
+    made = {"transposed": 0}
+    monkeypatch.setattr(conv_transpose_ops, "_transposed_plan",
+                        _counting(conv_transpose_ops._transposed_plan, made, "transposed"))
+    plans.set_plan_cache(True)
+    plans.clear_plan_cache()
+    model = _UpTo()
+    x = global_tensor(SHAPE, seed=14)
+    assert_matches_single_process(model, (x,), grid, shard, sizes=sizes)
+    first = made["transposed"]
+    xs = dp.DomainTensor(x[dp.Decomposition(SHAPE, grid, shard, sizes).local_slices()].clone(),
+                         dp.Decomposition(SHAPE, grid, shard, sizes))
+    model(xs)
+    check_on_every_rank(first >= 1 and made["transposed"] == first,
+                        f"plans made: {first} on the first calls, {made['transposed']} after")

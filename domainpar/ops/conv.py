@@ -127,12 +127,16 @@ def padding_pairs(padding, kernel, dilation, nsp):
 def plan_key(func, x: DomainTensor, weight, bias, options: tuple):
     """Local. Everything a conv's plan (``_conv_plan``, ``_transposed_plan``)
     depends on: the input's layout and dtype (and autocast's, which the meta call
-    sees), weight and bias shapes and dtypes, the other arguments. None (no
-    caching) for a weight or bias that is not a tensor: torch's error, uncached."""
+    sees), weight and bias shapes and dtypes, the other arguments, lists among
+    them as tuples (torch reads both alike; nn.ConvTranspose given an
+    ``output_size`` passes ``output_padding`` as a list, which would make the key
+    unhashable and the plan made afresh on every call). None (no caching) for a
+    weight or bias that is not a tensor: torch's error, uncached."""
     if not isinstance(weight, torch.Tensor) or not isinstance(bias, (torch.Tensor, type(None))):
         return None
     return (func, x._dec, x.dtype, autocast_dtype(x._local), weight.shape, weight.dtype,
-            None if bias is None else (bias.shape, bias.dtype), options)
+            None if bias is None else (bias.shape, bias.dtype),
+            tuple(tuple(o) if isinstance(o, list) else o for o in options))
 
 
 def planned(key, make):
