@@ -13,7 +13,7 @@ from domainpar.bench import settings
 from domainpar.ops import conv as conv_ops
 from domainpar.ops import norm as norm_ops
 from domainpar.tensor import layout as plans
-from domainpar.testing import assert_matches_single_process, check_on_every_rank
+from domainpar.testing import assert_matches_single_process, check_on_every_rank, shard_like
 from tensor_cases import CASES, global_tensor, layout, sizes_for
 
 SHAPE = (2, 3, 7, 6)      # N, C, H, W
@@ -269,8 +269,6 @@ def test_a_transposed_conv_given_output_size_plans_once(grid_ndim, kind, monkeyp
     x = global_tensor(SHAPE, seed=14)
     assert_matches_single_process(model, (x,), grid, shard, sizes=sizes)
     first = made["transposed"]
-    xs = dp.DomainTensor(x[dp.Decomposition(SHAPE, grid, shard, sizes).local_slices()].clone(),
-                         dp.Decomposition(SHAPE, grid, shard, sizes))
-    model(xs)
+    model(shard_like(x, grid, shard, sizes))
     check_on_every_rank(first >= 1 and made["transposed"] == first,
                         f"plans made: {first} on the first calls, {made['transposed']} after")
