@@ -76,12 +76,16 @@ def _vjp(forward, x, y):
 
 # -- halo fill / accumulate ------------------------------------------------------------------
 @pytest.mark.parametrize("grid_ndim,seed", CASES)
-@pytest.mark.parametrize("which", ["fill", "accumulate"])
+@pytest.mark.parametrize("which", ["fill", "fill owned", "accumulate"])
 def test_halo_adjoint(grid_ndim, seed, which):
+    """The fill, on a copy or in place in a buffer its caller owns (``owned``: a
+    clone here, as the ops' freshly padded blocks), and the accumulate are each
+    other's adjoints; the backward of each is its partner, bit for bit."""
     _, dec, width = random_layout(seed, COMM, grid_ndim, max_extent=7, max_width=3)
     halo = dp.HaloExchange(dec, width)
-    f = ag.halo_fill if which == "fill" else ag.halo_accumulate
-    partner = ag.halo_accumulate if which == "fill" else ag.halo_fill
+    f = {"fill": ag.halo_fill, "accumulate": ag.halo_accumulate,
+         "fill owned": lambda t, h: ag.halo_fill(t.clone(), h, owned=True)}[which]
+    partner = ag.halo_accumulate if which.startswith("fill") else ag.halo_fill
     x = _per_rank(halo.padded_shape, seed)
     # Every rank's padded array is its own: inner products sum over all ranks.
     adjoint_test(lambda t: f(t, halo), x, x_space=dec.grid.comm, y_space=dec.grid.comm,
@@ -107,6 +111,10 @@ def test_in_place_halo_pair_adjoint(grid_ndim, seed, dtype):
                  rtol=rtol, seed=seed)
     assert_close(fill(x), ag.halo_fill(x, halo), rtol=0, atol=0)
     assert_close(acc(x), ag.halo_accumulate(x, halo), rtol=0, atol=0)
+    owned, expected = x.clone(), fill(x)  # an owned buffer is filled where it is, no copy
+    out = ag.halo_fill(owned, halo, owned=True)
+    assert out.data_ptr() == owned.data_ptr()
+    assert_close(out, expected, rtol=0, atol=0)
 
 
 # -- allreduce-sum / broadcast -----------------------------------------------------------------

@@ -272,3 +272,41 @@ def test_a_transposed_conv_given_output_size_plans_once(grid_ndim, kind, monkeyp
     model(shard_like(x, grid, shard, sizes))
     check_on_every_rank(first >= 1 and made["transposed"] == first,
                         f"plans made: {first} on the first calls, {made['transposed']} after")
+
+
+def _pools(x):
+    """Max and avg pools whose windows cross block boundaries (ceil_mode reaches
+    past the padding), on one output layout."""
+    return (torch.nn.functional.max_pool2d(x, 3, 2, 1, ceil_mode=True) * 2
+            + torch.nn.functional.avg_pool2d(x, 3, 2, 1, ceil_mode=True,
+                                             count_include_pad=False))
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("grid_ndim,kind", CASES)
+def test_pools_plan_once_and_make_indices_global_only_when_asked(grid_ndim, kind, monkeypatch):
+    """A max or avg pool derives its window plans once per layout (the second call
+    slides no window); a max pool whose indices nobody asked for never turns
+    them into global ones (that once cost more than the pool itself). Cache on
+    and off, on two cuts: one process's output and gradients."""
+    from domainpar.ops import pool as pool_ops
+    from domainpar.ops import window
+    grid, shard, sizes = layout(SHAPE, CONV_SHARD_DIMS, grid_ndim, kind)
+    made = {"sliding": 0, "global_index": 0}
+    monkeypatch.setattr(window, "sliding", _counting(window.sliding, made, "sliding"))
+    monkeypatch.setattr(pool_ops, "global_flat_index",
+                        _counting(pool_ops.global_flat_index, made, "global_index"))
+    x = global_tensor(SHAPE, seed=15)
+    for on in (True, False, True):
+        plans.set_plan_cache(on)
+        for cut in (sizes, _other_sizes(grid, shard, kind)):
+            assert_matches_single_process(_pools, (x,), grid, shard, sizes=cut)
+    plans.clear_plan_cache()
+    before = made["sliding"]
+    _pools(shard_like(x, grid, shard, sizes))
+    first = made["sliding"] - before
+    _pools(shard_like(x, grid, shard, sizes))
+    again = made["sliding"] - before - first
+    check_on_every_rank(first > 0 and again == 0 and made["global_index"] == 0,
+                        f"windows slid: {first} by the first call, {again} by the call "
+                        f"after; global indices made {made['global_index']} times")

@@ -30,9 +30,11 @@ from .primitives import (
 )
 
 
-def halo_fill(padded: torch.Tensor, halo: HaloExchange) -> torch.Tensor:
-    """Neighbour-wise collective. ``padded`` with its ghosts filled (a new tensor)."""
-    out: torch.Tensor = HaloFill.apply(padded, halo)
+def halo_fill(padded: torch.Tensor, halo: HaloExchange, *, owned: bool = False) -> torch.Tensor:
+    """Neighbour-wise collective. ``padded`` with its ghosts filled: a new tensor,
+    or with ``owned`` (the caller just made ``padded`` and nothing else reads it)
+    ``padded`` itself where it is contiguous, filled in place without a copy."""
+    out: torch.Tensor = HaloFill.apply(padded, halo, owned and padded.is_contiguous())
     return out
 
 

@@ -87,16 +87,24 @@ def accumulate_in_place(t: torch.Tensor, halo: HaloExchange) -> torch.Tensor:
 
 class HaloFill(torch.autograd.Function):
     """Neighbour-wise collective. Ghost cells of a padded block get the owners'
-    values. Adjoint: ghosts are sent back, added to the owners, and zeroed."""
+    values. Adjoint: ghosts are sent back, added to the owners, and zeroed.
+
+    ``in_place``: the caller owns the contiguous ``padded`` (a buffer it just
+    made, which nothing else reads), so its ghosts are filled where they are
+    (marked dirty for autograd) instead of in a copy."""
 
     @staticmethod
-    def forward(ctx: Any, padded: torch.Tensor, halo: HaloExchange) -> torch.Tensor:
+    def forward(ctx: Any, padded: torch.Tensor, halo: HaloExchange,
+                in_place: bool = False) -> torch.Tensor:
         ctx.halo = halo
+        if in_place:
+            ctx.mark_dirty(padded)
+            return fill_in_place(padded, halo)
         return fill_in_place(_contiguous_copy(padded), halo)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        return HaloAccumulate.apply(grad, ctx.halo), None
+        return HaloAccumulate.apply(grad, ctx.halo), None, None
 
 
 class HaloAccumulate(torch.autograd.Function):

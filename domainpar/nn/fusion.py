@@ -294,7 +294,7 @@ def _extend(x: DomainTensor, widths: Mapping[int, tuple[int, int]],
     for d in reversed(range(local.ndim)):
         pads += list(widths.get(d, (0, 0)))
     exchange = window.exchange(dec, widths, {d: wraps.get(d, False) for d in dec.shard})
-    return ag.halo_fill(F.pad(local, pads), exchange)
+    return ag.halo_fill(F.pad(local, pads), exchange, owned=True)
 
 
 def _conv(conv: Any, wb: tuple, t: torch.Tensor,

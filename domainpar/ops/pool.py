@@ -9,7 +9,8 @@ or unbatched.
   reach past the padded input. Output layout: ``window.sliding`` (output ``j``
   goes to the rank holding its window's centre cell). ``return_indices`` gives
   global flat indices into the spatial dims of the global input, as torch does,
-  on the output's layout.
+  on the output's layout; they are made global only when asked (that costs
+  more than the pool).
 - avg_pool: the window sums of the zero-padded cells, divided by the divisor
   torch uses for each output (per dim, the window ``[o*s - p, min(o*s - p + k,
   n + p))``, clipped to ``[0, n)`` when ``count_include_pad`` is False; the
@@ -27,6 +28,8 @@ or unbatched.
 
 torch itself validates every call first, on the meta device with the global
 shapes, so bad arguments get torch's own error on every rank before any message.
+A max or avg pool makes that check and its window plans once per layout and
+arguments (``layout.planned``), an adaptive pool its check once per signature.
 
 Refused (UnsupportedOpError on every rank):
 
@@ -42,6 +45,7 @@ tied cells than torch's.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable
 from typing import Any
@@ -50,11 +54,12 @@ import torch
 import torch.nn.functional as F
 
 from .. import autograd as ag
+from ..comm.decomposition import Decomposition
 from ..tensor import layout
 from ..tensor.dispatch import UnsupportedOpError, op_name, register
 from ..tensor.domain_tensor import DomainTensor
 from . import window
-from .common import bind, stand_in
+from .common import bind, meta_call, stand_in
 from .reduce import allreduce_extremum, global_first_index, global_flat_index, lowest
 
 _NN = torch._C._nn
@@ -100,43 +105,62 @@ def _result(out, indices, out_dec, with_indices: bool):
 
 
 # -- max and avg pooling on a sliding window ----------------------------------------------------
-def _sliding(x: DomainTensor, nsp: int, out_shape, kernel, stride, padding, dilation, fill):
-    """Neighbour-wise collective. This rank's input cells (padded with ``fill``),
-    the output layout and the global index of the first gathered cell per pooled dim."""
-    dec = x._dec
-    plans = {}
-    for i, d in enumerate(_spatial(x, nsp)):
-        plans[d] = window.sliding(x.shape[d], window.block_sizes(dec, d), out_shape[d],
-                                  kernel[i], stride[i], dilation[i], padding[i])
-    cells = window.gather(x, plans, fill=fill)
-    origins = [p.need[window.coordinate(dec, d)][0] for d, p in plans.items()]
-    return cells, window.out_layout(dec, out_shape, plans), origins
+@dataclasses.dataclass(frozen=True)
+class _SlidingPlan:
+    """What a max or avg pool derives from layouts and arguments alone, made once
+    per layout and arguments (``layout.planned``): its output layout and, where a
+    spatial dim is sharded, each pooled dim's window plan and the global index of
+    this rank's first gathered cell (``plans`` None: torch's pool on the block as
+    it is, its padding included)."""
+    out_dec: Decomposition
+    plans: dict[int, window.AxisPlan] | None
+    origins: tuple[int, ...] = ()
+
+
+def _sliding_plan(key, x: DomainTensor, nsp: int, out_of: Callable[[torch.Tensor], torch.Tensor],
+                  kernel, stride, padding, dilation) -> _SlidingPlan:
+    """Local. The plan of a pool over ``x``, cached under ``key``: ``out_of`` runs the
+    pool on ``x``'s meta stand-in (torch's argument checks, alike on every rank, and
+    the output's shape)."""
+    def make() -> _SlidingPlan:
+        out_shape = tuple(out_of(stand_in(x)).shape)
+        dec = x._dec
+        if not _sharded_spatial(x, nsp):
+            return _SlidingPlan(window.out_layout(dec, out_shape, {}), None)
+        plans = {d: window.sliding(x.shape[d], window.block_sizes(dec, d), out_shape[d],
+                                   kernel[i], stride[i], dilation[i], padding[i])
+                 for i, d in enumerate(_spatial(x, nsp))}
+        origins = tuple(p.need[window.coordinate(dec, d)][0] for d, p in plans.items())
+        return _SlidingPlan(window.out_layout(dec, out_shape, plans), plans, origins)
+    return layout.planned(key, make)
 
 
 def _sharded_spatial(x: DomainTensor, nsp: int) -> list[int]:
     return [d for d in _spatial(x, nsp) if d in x._dec.shard]
 
 
-def max_pool(x: DomainTensor, nsp: int, kernel, stride, padding, dilation, ceil_mode: bool):
-    """Neighbour-wise collective. (values, global flat indices) as DomainTensors."""
-    out_shape = tuple(_MAX_WITH_INDICES[nsp](stand_in(x), kernel, stride, padding, dilation,
-                                             ceil_mode)[0].shape)
-    local = x._local
-    if not _sharded_spatial(x, nsp):
-        out_dec = window.out_layout(x._dec, out_shape, {})
-        if _empty(out_dec.local_shape(), local):
-            out = window.placeholder(out_dec.local_shape(), local, local)
-            return _result(out, out.detach().long(), out_dec, True)
-        out, idx = _MAX_WITH_INDICES[nsp](local, kernel, stride, padding, dilation, ceil_mode)
-        return _result(out, idx, out_dec, True)
-    cells, out_dec, origins = _sliding(x, nsp, out_shape, kernel, stride, padding, dilation,
-                                       lowest(x.dtype))
-    if _empty(out_dec.local_shape(), cells):
-        out = window.placeholder(out_dec.local_shape(), cells, cells)
-        return _result(out, out.detach().long(), out_dec, True)
-    out, idx = _MAX_WITH_INDICES[nsp](cells, kernel, stride, 0, dilation, False)
-    idx = global_flat_index(idx, cells.shape[-nsp:], origins, x.shape[-nsp:])
-    return _result(out, idx, out_dec, True)
+def max_pool(x: DomainTensor, nsp: int, kernel, stride, padding, dilation, ceil_mode: bool,
+             with_indices: bool = False):
+    """Neighbour-wise collective. The max pool as a DomainTensor, and with
+    ``with_indices`` its global flat indices as another (else None; a rank's
+    indices are made global only when asked: that costs more than the pool)."""
+    plan = _sliding_plan(("max_pool", nsp, x._dec, x.dtype, kernel, stride, padding, dilation,
+                          ceil_mode), x, nsp,
+                         lambda m: _MAX_WITH_INDICES[nsp](m, kernel, stride, padding, dilation,
+                                                          ceil_mode)[0],
+                         kernel, stride, padding, dilation)
+    if plan.plans is None:
+        cells, rest = x._local, (padding, dilation, ceil_mode)
+    else:  # the gathered cells hold every window ceil_mode lets reach past the padding
+        cells, rest = window.gather(x, plan.plans, fill=lowest(x.dtype)), (0, dilation, False)
+    local_shape = plan.out_dec.local_shape()
+    if _empty(local_shape, cells):
+        out = window.placeholder(local_shape, cells, cells)
+        return _result(out, out.detach().long(), plan.out_dec, with_indices)
+    out, idx = _MAX_WITH_INDICES[nsp](cells, kernel, stride, *rest)
+    if with_indices and plan.plans is not None:
+        idx = global_flat_index(idx, cells.shape[-nsp:], plan.origins, x.shape[-nsp:])
+    return _result(out, idx, plan.out_dec, with_indices)
 
 
 def _window_sums(cells: torch.Tensor, nsp: int, kernel, stride) -> torch.Tensor:
@@ -147,46 +171,68 @@ def _window_sums(cells: torch.Tensor, nsp: int, kernel, stride) -> torch.Tensor:
     return _AVG[nsp](cells, kernel, stride, 0, False, True, 1)
 
 
-def _divisors(x: DomainTensor, nsp: int, out_dec, kernel, stride, padding,
-              count_include_pad: bool) -> torch.Tensor:
-    """torch's divisor for each of this rank's outputs, broadcastable to its block."""
-    div: torch.Tensor | None = None
+def _divisor_sizes(x: DomainTensor, nsp: int, out_dec, kernel, stride, padding,
+                   count_include_pad: bool) -> tuple[tuple[int, ...], ...]:
+    """Local. Per pooled dim, torch's divisor factor for each of this rank's outputs
+    along it: the window ``[o*s - p, min(o*s - p + k, n + p))``, clipped to
+    ``[0, n)`` when ``count_include_pad`` is False (the divisor is their product)."""
     offsets, counts = out_dec.offsets(), out_dec.local_shape()
+    sizes = []
     for i, d in enumerate(_spatial(x, nsp)):
         n, k, s, p = x.shape[d], kernel[i], stride[i], padding[i]
-        start = torch.arange(offsets[d], offsets[d] + counts[d], dtype=torch.int64) * s - p
-        end = torch.clamp(start + k, max=n + p)
-        if not count_include_pad:
-            start, end = start.clamp(min=0), end.clamp(max=n)
-        shape = [1] * nsp
-        shape[i] = counts[d]
-        size = (end - start).reshape(shape)
+        per_dim = []
+        for o in range(offsets[d], offsets[d] + counts[d]):
+            start = o * s - p
+            end = min(start + k, n + p)
+            if not count_include_pad:
+                start, end = max(start, 0), min(end, n)
+            per_dim.append(end - start)
+        sizes.append(tuple(per_dim))
+    return tuple(sizes)
+
+
+def _divided(sums: torch.Tensor, sizes: tuple[tuple[int, ...], ...]) -> torch.Tensor:
+    """Local. ``sums`` over the divisors of ``_divisor_sizes``: one number where
+    every window along every dim has the same size (the usual case), else their
+    product over the dims as a tensor broadcast against the block."""
+    if all(len(set(s)) == 1 for s in sizes):
+        return sums / math.prod(s[0] for s in sizes)
+    div: torch.Tensor | None = None
+    for i, s in enumerate(sizes):
+        shape = [1] * len(sizes)
+        shape[i] = len(s)
+        size = torch.tensor(s, dtype=sums.dtype, device=sums.device).reshape(shape)
         div = size if div is None else div * size
     assert div is not None  # a pool has at least one spatial dim
-    return div.to(dtype=x.dtype, device=x._local.device)
+    return sums / div
 
 
 def avg_pool(x: DomainTensor, nsp: int, kernel, stride, padding, ceil_mode: bool,
              count_include_pad: bool, divisor_override):
     """Neighbour-wise collective. The average pool as a DomainTensor."""
     extra = () if nsp == 1 else (divisor_override,)
-    out_shape = tuple(_AVG[nsp](stand_in(x), kernel, stride, padding, ceil_mode,
-                                count_include_pad, *extra).shape)
-    local = x._local
-    if not _sharded_spatial(x, nsp):
-        out_dec = window.out_layout(x._dec, out_shape, {})
+    key = ("avg_pool", nsp, x._dec, x.dtype, kernel, stride, padding, ceil_mode,
+           count_include_pad, divisor_override)
+    plan = _sliding_plan(key, x, nsp,
+                         lambda m: _AVG[nsp](m, kernel, stride, padding, ceil_mode,
+                                             count_include_pad, *extra),
+                         kernel, stride, padding, (1,) * nsp)
+    out_dec, local = plan.out_dec, x._local
+    if plan.plans is None:
         if _empty(out_dec.local_shape(), local):
             return DomainTensor(window.placeholder(out_dec.local_shape(), local, local), out_dec)
         return DomainTensor(_AVG[nsp](local, kernel, stride, padding, ceil_mode,
                                       count_include_pad, *extra), out_dec)
-    cells, out_dec, _ = _sliding(x, nsp, out_shape, kernel, stride, padding, (1,) * nsp, 0.0)
+    cells = window.gather(x, plan.plans, fill=0.0)
     if _empty(out_dec.local_shape(), cells):
         return DomainTensor(window.placeholder(out_dec.local_shape(), cells, cells), out_dec)
     sums = _window_sums(cells, nsp, kernel, stride)
     if divisor_override:
         return DomainTensor(sums / divisor_override, out_dec)
-    return DomainTensor(sums / _divisors(x, nsp, out_dec, kernel, stride, padding,
-                                         count_include_pad), out_dec)
+    sizes = layout.planned(key + ("divisors",),
+                           lambda: _divisor_sizes(x, nsp, out_dec, kernel, stride, padding,
+                                                  count_include_pad))
+    return DomainTensor(_divided(sums, sizes), out_dec)
 
 
 # -- the rules ----------------------------------------------------------------------------------
@@ -217,10 +263,9 @@ def max_pool_rule(func, args, kwargs):
     a = bind(func, args, kwargs, names, _MAX_DEFAULTS)
     x = _input(func, a["input"])
     kernel = _expand(a["kernel_size"], nsp)
-    out, idx = max_pool(x, nsp, kernel, _stride(a["stride"], kernel, nsp),
-                        _expand(a["padding"], nsp), _expand(a["dilation"], nsp),
-                        bool(a["ceil_mode"]))
-    return (out, idx) if always or a.get("return_indices") else out
+    return max_pool(x, nsp, kernel, _stride(a["stride"], kernel, nsp),
+                    _expand(a["padding"], nsp), _expand(a["dilation"], nsp),
+                    bool(a["ceil_mode"]), always or bool(a.get("return_indices")))
 
 
 _AVG_NAMES = ("input", "kernel_size", "stride", "padding", "ceil_mode", "count_include_pad",
@@ -305,7 +350,9 @@ def adaptive_pool(func, x: DomainTensor, nsp: int, output_size, kind: str, indic
     # torch's Python wrapper resolves None entries of output_size. The max pool's
     # checks are the avg pool's; its meta kernel, unlike the avg pool's for output
     # size 1 (a decomposition into mean), does not import torch._dynamo (seconds).
-    meta = getattr(F, f"adaptive_max_pool{nsp}d_with_indices")(stand_in(x), output_size)[0]
+    # (meta_call: cached per signature, the same layer is called alike every step)
+    meta = meta_call(getattr(F, f"adaptive_max_pool{nsp}d_with_indices"), stand_in(x),
+                     output_size)[0]
     out_shape = tuple(meta.shape)
     dec, sharded = x._dec, _sharded_spatial(x, nsp)
     ones = [d for d in sharded if out_shape[d] == 1 and x.shape[d] > 1]
@@ -413,8 +460,8 @@ def lp_pool_rule(func, args, kwargs):
     stride, ceil_mode = _stride(a["stride"], kernel, nsp), bool(a["ceil_mode"])
     if p in (math.inf, -math.inf):  # torch: a max pool of |x| (negated for -inf)
         sign = 1 if p > 0 else -1
-        out, _ = max_pool(DomainTensor(sign * x._local.abs(), x._dec), nsp, kernel, stride,
-                          (0,) * nsp, (1,) * nsp, ceil_mode)
+        out = max_pool(DomainTensor(sign * x._local.abs(), x._dec), nsp, kernel, stride,
+                       (0,) * nsp, (1,) * nsp, ceil_mode)
         return DomainTensor(sign * out._local, out._dec)
     out = avg_pool(DomainTensor(x._local.pow(p), x._dec), nsp, kernel, stride, (0,) * nsp,
                    ceil_mode, True, None)

@@ -188,7 +188,7 @@ def gather(x: DomainTensor, plans: Mapping[int, AxisPlan], *, fill: float = 0.0,
         exchanged = {d: w for d, w in widths.items() if d in dec.shard}
         if exchanged:
             wraps = {d: d in wrap for d in dec.shard}
-            local = ag.halo_fill(local, exchange(dec, widths, wraps))
+            local = ag.halo_fill(local, exchange(dec, widths, wraps), owned=True)
     for d, p in plans.items():
         start, length = p.window(coordinate(dec, d))
         if (start, length) != (0, local.shape[d]):
