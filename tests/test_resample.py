@@ -17,7 +17,12 @@ from mpi4py import MPI
 
 import domainpar as dp
 from domainpar.ops import resample
-from domainpar.testing import assert_matches_single_process, raises_on_every_rank, shard_like
+from domainpar.testing import (
+    assert_matches_single_process,
+    check_on_every_rank,
+    raises_on_every_rank,
+    shard_like,
+)
 from tensor_cases import SIZE, global_tensor, layout
 
 SHAPES = {1: (2, 3, 23), 2: (2, 3, 13, 11), 3: (2, 2, 9, 7, 6)}
@@ -95,11 +100,16 @@ def atol(dtype):
 @pytest.mark.parametrize("nsp, kw, kind, grid_ndim, dtype", option_sample())
 def test_interpolate_matches_one_process(monkeypatch, nsp, kw, kind, grid_ndim, dtype):
     """In the linear modes also with torch's bilinear kernel on planes of any size
-    (``PLANE`` 0), as the field sizes that take it by default are large."""
+    (``PLANE`` 0), in the nearest modes also with torch's nearest kernel on blocks
+    of any size (``NEAREST_CELLS`` 0), as the field sizes that take them by
+    default are large."""
     shape = SHAPES[nsp]
     grid, shard, sizes = sharded_layout(shape, kind, grid_ndim)
-    for plane in (resample.PLANE, 0)[:1 + (kw["mode"] in ("bilinear", "trilinear"))]:
-        monkeypatch.setattr(resample, "PLANE", plane)
+    kernels = kw["mode"] in ("bilinear", "trilinear", "nearest", "nearest-exact")
+    plane, cells = resample.PLANE, resample.NEAREST_CELLS
+    for everywhere in (False, True)[:1 + kernels]:  # the large fields' kernels on small ones
+        monkeypatch.setattr(resample, "PLANE", 0 if everywhere else plane)
+        monkeypatch.setattr(resample, "NEAREST_CELLS", 0 if everywhere else cells)
         assert_matches_single_process(lambda x: F.interpolate(x, **kw),
                                       global_tensor(shape, dtype), grid, shard, sizes=sizes,
                                       atol=atol(dtype))
@@ -222,6 +232,30 @@ def test_linear_modes_hand_whole_trailing_dims_to_torch(monkeypatch, shape, shar
         whole, scale_factor=(2, 1.5, 2), mode="trilinear", align_corners=False))
 
 
+@pytest.mark.mpi
+@pytest.mark.parametrize("mode", ("nearest", "nearest-exact"))
+def test_nearest_modes_hand_whole_dims_to_torch(monkeypatch, mode):
+    """A nearest mode with D cut, on a block of ``NEAREST_CELLS`` or more, selects
+    along D by taps, then runs torch's own nearest kernel once over all the
+    spatial dims (it once tapped every dim, the innermost by a gather: 1x16x256^2
+    took 5x torch's time on a one-rank grid); the result is torch's, bit for bit."""
+    monkeypatch.setattr(resample, "NEAREST_CELLS", 0)  # the kernel on a small field too
+    calls = []
+    for name in ("nearest_pass", "apply_taps"):
+        real = getattr(resample, name)
+        monkeypatch.setattr(resample, name, lambda c, d, *rest, real=real, name=name: (
+            calls.append((name, d)), real(c, d, *rest))[1])
+    shape = (2, 2, 9, 7, 6)
+    x = _cut(shape, {2: 0})
+    got = F.interpolate(x, scale_factor=(2, 1.5, 2), mode=mode)
+    # every rank calls both whatever its block (an empty one gets a placeholder)
+    check_on_every_rank(calls == [("apply_taps", 2), ("nearest_pass", [2])],
+                        f"calls {calls}")
+    want = F.interpolate(global_tensor(shape), scale_factor=(2, 1.5, 2), mode=mode)
+    full = got.full_tensor()
+    check_on_every_rank(torch.equal(full, want), "the result differs from torch's")
+
+
 # -- serial: the taps themselves --------------------------------------------------------------
 def tap_sample():
     rng = random.Random(7)
@@ -267,6 +301,31 @@ def test_taps_reproduce_torch(dtype):
             out = resample.apply_taps(out, d, index, weight)
         torch.testing.assert_close(out, F.interpolate(x, **kw), rtol=tol[0], atol=tol[1],
                                    msg=lambda m, shape=shape, kw=kw: f"{shape} {kw}: {m}")
+
+
+@pytest.mark.parametrize("dtype", (torch.float64, torch.bfloat16))
+def test_nearest_pass_after_taps_reproduces_torch(dtype):
+    """In the nearest modes, taps along some spatial dims (the cut ones) and then
+    torch's nearest kernel over all of them, the identity along the tapped ones
+    (``nearest_pass``), select exactly torch's cells: sizes, scale factors and
+    every recompute_scale_factor, 1- to 3-D, with or without a dim left whole."""
+    checked = 0
+    for i, (shape, kw) in enumerate(tap_sample()):
+        if kw["mode"] not in ("nearest", "nearest-exact"):
+            continue
+        x = global_tensor(shape, torch.float64, seed=i).to(dtype)
+        want = F.interpolate(x, **kw)
+        for k in range(len(shape) - 1):
+            tapped = list(range(2, 2 + k))
+            out = x
+            for d, t in resample.dim_taps(x.shape, dtype, "cpu", kw, tapped).items():
+                index, weight = resample.local_taps(t, 0, t.index.shape[1], 0, out.shape[d],
+                                                    dtype, "cpu")
+                out = resample.apply_taps(out, d, index, weight)
+            out = resample.nearest_pass(out, tapped, kw, want.shape)
+            assert torch.equal(out, want), f"{shape} {kw}, dims {tapped} tapped"
+            checked += 1
+    assert checked >= 60  # the sample holds both nearest modes of each dimensionality
 
 
 @pytest.mark.parametrize("dtype", (torch.float64, torch.float32))
