@@ -206,6 +206,17 @@ def test_torch_errors_on_every_rank():
                              lambda kw=kw: F.interpolate(x, **kw))
 
 
+def _recording(monkeypatch, *names):
+    """The calls of resample's passes ``names`` as (name, dims) pairs, in order,
+    each still doing its work."""
+    calls = []
+    for name in names:
+        real = getattr(resample, name)
+        monkeypatch.setattr(resample, name, lambda c, d, *rest, real=real, name=name: (
+            calls.append((name, d)), real(c, d, *rest))[1])
+    return calls
+
+
 @pytest.mark.mpi
 @pytest.mark.parametrize("shape, shard, kernel", (
     ((1, 2, 4, 33, 33), {0: 0}, (3, 4)), ((1, 2, 4, 33, 33), {2: 0}, (3, 4)),
@@ -217,11 +228,7 @@ def test_linear_modes_hand_whole_trailing_dims_to_torch(monkeypatch, shape, shar
     the last two, neither cut, on planes of more than 1024 cells to its bilinear
     kernel, in one call; taps cover the others (D even with no dim cut); the
     result is torch's."""
-    calls = []
-    for name in ("kernel_pass", "apply_taps"):
-        real = getattr(resample, name)
-        monkeypatch.setattr(resample, name, lambda c, d, *rest, real=real, name=name: (
-            calls.append((name, d)), real(c, d, *rest))[1])
+    calls = _recording(monkeypatch, "kernel_pass", "apply_taps")
     whole = global_tensor(shape)
     x = _cut(shape, shard)
     got = F.interpolate(x, scale_factor=(2, 1.5, 2), mode="trilinear", align_corners=False)
@@ -240,11 +247,7 @@ def test_nearest_modes_hand_whole_dims_to_torch(monkeypatch, mode):
     spatial dims (it once tapped every dim, the innermost by a gather: 1x16x256^2
     took 5x torch's time on a one-rank grid); the result is torch's, bit for bit."""
     monkeypatch.setattr(resample, "NEAREST_CELLS", 0)  # the kernel on a small field too
-    calls = []
-    for name in ("nearest_pass", "apply_taps"):
-        real = getattr(resample, name)
-        monkeypatch.setattr(resample, name, lambda c, d, *rest, real=real, name=name: (
-            calls.append((name, d)), real(c, d, *rest))[1])
+    calls = _recording(monkeypatch, "nearest_pass", "apply_taps")
     shape = (2, 2, 9, 7, 6)
     x = _cut(shape, {2: 0})
     got = F.interpolate(x, scale_factor=(2, 1.5, 2), mode=mode)
