@@ -144,3 +144,27 @@ def test_waits_from_entry_times():
     assert parts["instrumentation"] == pytest.approx(0.03)
     assert parts["dispatch"] == pytest.approx(0.9 - 0.1 - 0.5 - 0.03)
     assert sum(parts.values()) == pytest.approx(2.0)
+
+
+def test_inference_splits_a_no_grad_forward(report, tmp_path):
+    """--inference: the same split of a no_grad forward of the same UNet3d as the
+    training fixture's, with no loss and no gradient reduction in it."""
+    out = tmp_path / "inference.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "domainpar.cli", "bench", "step", "--ranks", "1", "2",
+         "--models", "unet3d", "--unet-side", "16", "--levels", "3", "--repeats", "1",
+         "--inference", "--out", str(out)],
+        env=dict(launch.mpiexec_env(), PYTHONPATH=str(ROOT)), capture_output=True, text=True,
+        timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "where an inference forward's time goes" in proc.stdout
+    data = json.loads(out.read_text())
+    assert data["step"].startswith("inference") and report[0]["step"].startswith("training")
+    for n, point in data["models"]["unet3d"].items():
+        trained = report[0]["models"]["unet3d"][n]["per_rank"]
+        for rank, train in zip(point["per_rank"], trained):
+            assert sum(rank["parts_s"].values()) == pytest.approx(rank["step_s"], rel=1e-9)
+            assert "torch.nn.functional.mse_loss" in train["dispatch_by_op"]
+            assert "torch.nn.functional.mse_loss" not in rank["dispatch_by_op"]
+            assert 0 < rank["ops_per_step"] < train["ops_per_step"]
+    assert all(r["parts_s"]["halo"] > 0 for r in data["models"]["unet3d"]["2"]["per_rank"])

@@ -96,7 +96,7 @@ def _bench_step(args) -> int:
                  "run it without mpiexec")
     step.run(ranks=args.ranks, models=args.models, unet_side=args.unet_side,
              field_side=args.field_side, levels=args.levels, repeats=args.repeats,
-             out=args.out, compare=args.compare)
+             out=args.out, compare=args.compare, inference=args.inference)
     return 0
 
 
@@ -451,7 +451,8 @@ def _add_step(bench_sub) -> None:
                     "other communication, waiting for other ranks inside communication, and "
                     "the instrumentation's own cost; plain steps run interleaved beside the "
                     "instrumented ones. Also times one DomainTensor op against plain torch on "
-                    "a one-rank grid for blocks of 1k to 1M cells. Run it without mpiexec. "
+                    "a one-rank grid for blocks of 1k to 1M cells. --inference splits a "
+                    "no_grad forward instead. Run it without mpiexec. "
                     "Prints tables; writes JSON and a stacked-bar PNG (docs/benchmarks.md).")
     step.add_argument("--ranks", type=positive(int), nargs="+", default=[1, 2, 4],
                       help="rank counts, one job each (default 1 2 4)")
@@ -469,6 +470,9 @@ def _add_step(bench_sub) -> None:
     step.add_argument("--repeats", type=positive(int), default=3,
                       help="instrumented steps per model and rank count, each beside a plain "
                            "one, after one warm-up (default 3)")
+    step.add_argument("--inference", action="store_true",
+                      help="split one forward in eval mode under torch.no_grad (no loss, no "
+                           "backward) instead of a training step")
     _add_out(step, "step")
     settings.add_argument(step)
     step.set_defaults(run=_bench_step, launches_jobs=True, nprocs=1)

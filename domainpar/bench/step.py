@@ -1,7 +1,8 @@
 """`domainpar bench step`: where a training step's time goes, rank by rank.
 
 A training step (forward, mean-squared-error loss, backward, SGD step with
-momentum, ``DomainParallel``, float32, one torch thread per rank) of three
+momentum, ``DomainParallel``, float32, one torch thread per rank), or with
+``--inference`` one forward in eval mode under ``torch.no_grad``, of three
 reference models (``domainpar.testing.models``: UNet3d, ViT2d, FNO2d), the
 field sharded along dim 2 over a 1-D grid of all ranks, on 1, 2 and 4 ranks,
 each rank count in its own job. Each rank's wall time of each step is split,
@@ -324,15 +325,19 @@ def calibrate(repeats: int = 2000, rounds: int = 7) -> dict:
             "per_op_s": max(statistics.median(per_op), 0.0)}
 
 
-def measure_model(comm, factory, shape, repeats: int, costs: dict, warmup: int = 1) -> dict:
+def measure_model(comm, factory, shape, repeats: int, costs: dict, warmup: int = 1,
+                  inference: bool = False) -> dict:
     """Collective. ``repeats`` instrumented steps of the model interleaved with
-    as many plain ones: every rank's mean parts per step and the step times."""
+    as many plain ones: every rank's mean parts per step and the step times.
+    A step is a training step, or with ``inference`` a no_grad forward
+    (``inference_step``)."""
     import statistics
 
     from mpi4py import MPI
 
     from ..comm import ProcessGrid
-    step = training_step(ProcessGrid((comm.Get_size(),), comm=comm), factory, shape)[0]
+    make = inference_step if inference else training_step
+    step = make(ProcessGrid((comm.Get_size(),), comm=comm), factory, shape)[0]
     rec = Recorder()
     for _ in range(warmup):
         comm.Barrier()
@@ -440,7 +445,8 @@ def _measure_all(comm, args) -> dict:
     bar = Progress(len(args.models), f"  {comm.Get_size()} rank(s), models", comm=comm)
     for name in args.models:
         factory, shape = model_spec(name, args.unet_side, args.field_side, args.levels)
-        result["models"][name] = measure_model(comm, factory, shape, args.repeats, costs)
+        result["models"][name] = measure_model(comm, factory, shape, args.repeats, costs,
+                                               inference=args.inference)
         bar.update(job=name)
     bar.close()
     if args.dispatch:
@@ -458,6 +464,7 @@ def _worker_main(argv=None) -> int:
     parser.add_argument("--levels", type=int, required=True)
     parser.add_argument("--repeats", type=int, required=True)
     parser.add_argument("--dispatch", action="store_true")
+    parser.add_argument("--inference", action="store_true")
     parser.add_argument("--result", required=True)
     settings.add_argument(parser)
     args = parser.parse_args(argv)

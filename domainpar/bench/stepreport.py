@@ -14,10 +14,11 @@ from .step import DEFAULT_MODELS, DEFAULT_RANKS, PARTS, SHARDED_DIM
 
 def run(ranks=DEFAULT_RANKS, models=DEFAULT_MODELS, unet_side: int = 64, field_side: int = 128,
         levels: int = 4, repeats: int = 3, out: str = "bench-out/step.json", log=print,
-        compare=None) -> dict:
+        compare=None, inference: bool = False) -> dict:
     """Local (launches one job per rank count and configuration, alternating A
-    and B). The step breakdown per model and rank count and the dispatch
-    overhead table; prints them, writes JSON and PNG."""
+    and B). The step breakdown per model and rank count (a training step, or
+    with ``inference`` a no_grad forward) and the dispatch overhead table;
+    prints them, writes JSON and PNG."""
     from ..launch import mpiexec_env
     from ..progress import Progress
     from .jobs import launch
@@ -26,13 +27,15 @@ def run(ranks=DEFAULT_RANKS, models=DEFAULT_MODELS, unet_side: int = 64, field_s
     cpus = os.cpu_count() or 1
     counts = sorted(set(ranks))
     configs = {"A": None, **({"B": compare} if compare else {})}
-    log(f"domainpar bench step: where a training step's time goes ({', '.join(models)}) on "
+    what = "an inference forward's" if inference else "a training step's"
+    log(f"domainpar bench step: where {what} time goes ({', '.join(models)}) on "
         f"{', '.join(map(str, counts))} ranks, {repeats} instrumented steps each; "
         f"{cpus} cores here", flush=True)
     if compare:
         log(f"compared, jobs alternating: {describe(compare, mpiexec_env())}", flush=True)
     worker = ["--worker", "--models", *models, "--unet-side", str(unet_side), "--field-side",
-              str(field_side), "--levels", str(levels), "--repeats", str(repeats)]
+              str(field_side), "--levels", str(levels), "--repeats", str(repeats)] \
+        + (["--inference"] if inference else [])
     load = [os.getloadavg()]
     results: dict = {name: {} for name in configs}
     bar = Progress(len(counts) * len(configs), "bench step jobs")
@@ -49,6 +52,8 @@ def run(ranks=DEFAULT_RANKS, models=DEFAULT_MODELS, unet_side: int = 64, field_s
               "host": platform.node(), "cpus": cpus, "loadavg_start_end": load,
               "oversubscribed_rank_counts": [n for n in counts if n > cpus],
               "torch_threads_per_rank": 1, "repeats": repeats, "parts": list(PARTS),
+              "step": "inference forward (eval, no_grad)" if inference else
+                      "training step (forward, MSE loss, backward, SGD)",
               "sharded_dim": SHARDED_DIM, "unet_side": unet_side, "field_side": field_side,
               "levels": levels, "configurations": configurations(compare, mpiexec_env()),
               **_figures(results["A"], models, counts)}
@@ -150,6 +155,7 @@ def plot(report: dict, plt):
         ax.set_title(model, fontsize=10)
         ax.grid(axis="y", alpha=0.3)
     axes[0][-1].legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
-    fig.suptitle("Training step (forward, loss, backward, SGD), DomainParallel, sharded along "
+    what = report.get("step", "training step (forward, MSE loss, backward, SGD)")
+    fig.suptitle(f"{what[0].upper()}{what[1:]}, DomainParallel, sharded along "
                  f"dim {report['sharded_dim']}: where each rank's time goes")
     return fig
