@@ -4,6 +4,8 @@ those with it off and those of one process, for calls whose layouts differ
 only in what a plan's key must hold: block sizes (even, uneven, zero-size)
 of operands of one global shape, grids, broadcast shapes, reduction dims and
 keepdim. The MPI tests run on 1-4 ranks and 1-, 2- and 3-D grids."""
+import sys
+
 import pytest
 import torch
 from mpi4py import MPI
@@ -34,6 +36,16 @@ def _other_sizes(grid, shard, kind):
     other = "uneven" if kind != "uneven" else "zero"
     sizes = {d: sizes_for(SHAPE[d], grid.dims[a], other, seed=5) for d, a in shard.items()}
     return {d: s for d, s in sizes.items() if s is not None} or None
+
+
+def _matches_cache_on_and_off(model, x, grid, shard, sizes, kind):
+    """Collective. ``model`` on ``x`` cut at two boundaries (``sizes`` and another
+    kind's), with the cache on, off and on again: one process's output and
+    gradients each time."""
+    for on in (True, False, True):
+        plans.set_plan_cache(on)
+        for cut in (sizes, _other_sizes(grid, shard, kind)):
+            assert_matches_single_process(model, (x,), grid, shard, sizes=cut)
 
 
 def mixed(a, b):
@@ -195,10 +207,7 @@ def test_convs_and_norms_cache_on_and_off_match_one_process(grid_ndim, kind):
     grid, shard, sizes = layout(SHAPE, CONV_SHARD_DIMS, grid_ndim, kind)
     x = global_tensor(SHAPE, seed=9)
     model = ConvNorm()
-    for on in (True, False, True):
-        plans.set_plan_cache(on)
-        for cut in (sizes, _other_sizes(grid, shard, kind)):
-            assert_matches_single_process(model, (x,), grid, shard, sizes=cut)
+    _matches_cache_on_and_off(model, x, grid, shard, sizes, kind)
 
 
 @pytest.mark.mpi
@@ -297,10 +306,7 @@ def test_pools_plan_once_and_make_indices_global_only_when_asked(grid_ndim, kind
     monkeypatch.setattr(pool_ops, "global_flat_index",
                         _counting(pool_ops.global_flat_index, made, "global_index"))
     x = global_tensor(SHAPE, seed=15)
-    for on in (True, False, True):
-        plans.set_plan_cache(on)
-        for cut in (sizes, _other_sizes(grid, shard, kind)):
-            assert_matches_single_process(_pools, (x,), grid, shard, sizes=cut)
+    _matches_cache_on_and_off(_pools, x, grid, shard, sizes, kind)
     plans.clear_plan_cache()
     before = made["sliding"]
     _pools(shard_like(x, grid, shard, sizes))
@@ -310,3 +316,63 @@ def test_pools_plan_once_and_make_indices_global_only_when_asked(grid_ndim, kind
     check_on_every_rank(first > 0 and again == 0 and made["global_index"] == 0,
                         f"windows slid: {first} by the first call, {again} by the call "
                         f"after; global indices made {made['global_index']} times")
+
+
+class _Products(torch.nn.Module):
+    """Contractions of every kind the einsum rule plans (a plain weight cut to the
+    block or broadcast, a sharded label summed over, two labels on one grid axis:
+    an operand gathered) and a spectral conv (FFTs, a slice of a spectrum in
+    transit, zero pads): each derives its plan, or asks torch's meta kernels,
+    once per layout."""
+
+    def __init__(self):
+        super().__init__()
+        from domainpar.testing.models import SpectralConv2d
+        torch.manual_seed(16)  # the same parameters on every rank
+        self.spectral = SpectralConv2d(SHAPE[1], SHAPE[1], modes=2).double()
+        self.mix = torch.nn.Parameter(torch.randn(SHAPE[1], SHAPE[1], dtype=torch.float64))
+        self.rows = torch.nn.Parameter(torch.randn(SHAPE[2], dtype=torch.float64))
+
+    def forward(self, x):
+        y = torch.einsum("nchw,cd->ndhw", x, self.mix)          # plain weight, broadcast
+        y = y + torch.einsum("nchw,h->nchw", x, self.rows)      # plain weight, cut along h
+        s = torch.einsum("nchw,nchw->nc", x, y)                 # sharded labels summed
+        scores = torch.einsum("nchw,ncgw->nchg", x, y)          # h and g on one axis
+        return self.spectral(y) * s[..., None, None] + scores.sum(dim=-1, keepdim=True)
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("grid_ndim,kind", CASES)
+def test_contractions_and_spectra_plan_once(grid_ndim, kind, monkeypatch):
+    """An einsum makes its plan (torch's meta einsum twice, the labels' layouts, the
+    gathers) once per equation and operand layouts, and an FFT or a pad asks
+    torch's meta kernel once per signature: the second call of the model makes no
+    contraction plan and no uncached meta call. Cache on and off, two cuts: one
+    process's output and gradients."""
+    from domainpar.ops import einsum as einsum_ops
+    grid, shard, sizes = layout(SHAPE, CONV_SHARD_DIMS, grid_ndim, kind)
+    made = {"contract": 0}
+    monkeypatch.setattr(einsum_ops, "_contract_plan",
+                        _counting(einsum_ops._contract_plan, made, "contract"))
+    model = _Products()
+    x = global_tensor(SHAPE, seed=17)
+    _matches_cache_on_and_off(model, x, grid, shard, sizes, kind)
+    plans.clear_plan_cache()
+    model(shard_like(x, grid, shard, sizes))
+    first = made["contract"]
+    # Meta tensors for torch's checks are made by torch.empty; those of
+    # ``common.stand_in`` only key ``meta_call``'s cache (no kernel runs on a hit).
+    empty = torch.empty
+
+    def counting_empty(*args, **kwargs):
+        if str(kwargs.get("device")) == "meta" and sys._getframe(1).f_code.co_name != "stand_in":
+            made["meta"] = made.get("meta", 0) + 1
+        return empty(*args, **kwargs)
+    monkeypatch.setattr(torch, "empty", counting_empty)
+    model(shard_like(x, grid, shard, sizes))
+    monkeypatch.setattr(torch, "empty", empty)
+    again, metas = made["contract"] - first, made.get("meta", 0)
+    check_on_every_rank(first >= 4 and again == 0 and metas == 0,
+                        f"contraction plans: {first} by the first call, {again} by the call "
+                        f"after; meta tensors made for torch's checks by the call after: "
+                        f"{metas}")

@@ -52,17 +52,19 @@ sees the call.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import string
 
 import torch
 
 from .. import autograd as ag
+from ..comm.decomposition import Decomposition
 from ..tensor import layout
 from ..tensor.dispatch import UnsupportedOpError, op_name, register, same_grid
 from ..tensor.domain_tensor import DomainTensor
 from ..tensor.params import enter_domain
-from .common import meta
+from .common import autocast_dtype, meta
 
 
 def _explicit(equation: str, ndims) -> tuple[list[str], str]:
@@ -115,7 +117,60 @@ def contract(func, equation: str, operands: list):
     """Collective where a contracted label is sharded, operands disagree or labels of
     two operands share a grid axis, local otherwise. ``torch.einsum(equation,
     *operands)`` by the rule of this module, for ``func`` (einsum itself, or a product
-    such as matmul written as an einsum: errors then name ``func`` and the equation)."""
+    such as matmul written as an einsum: errors then name ``func`` and the equation).
+    Its plan (``_contract_plan``) is made once per equation and operand layouts."""
+    key = _plan_key(func, equation, operands)
+    make = lambda: _contract_plan(func, equation, operands)  # noqa: E731
+    plan = make() if key is None else layout.planned(key, make)
+    grid = next(t for t in operands if isinstance(t, DomainTensor))._dec.grid
+    operands = list(operands)
+    for i, d in plan.gathers:  # two labels on one axis: one operand made whole along it
+        operands[i] = _gathered(operands[i], d)
+    locals_ = []
+    for t, entry in zip(operands, plan.entries):
+        if not isinstance(t, DomainTensor):
+            locals_.append(enter_domain(t, plan.space, entry))
+            continue
+        target, broadcast = entry
+        local = ag.repartition(t._local, t._dec, target)
+        if broadcast and local.requires_grad and torch.is_grad_enabled():
+            local = ag.broadcast(local, grid.sub(broadcast))
+        locals_.append(local)
+    out = torch.einsum(plan.explicit, *locals_)
+    if plan.contracted:
+        out = ag.allreduce_sum(out, grid.sub(plan.contracted))
+    return out if plan.out_dec is None else DomainTensor(out, plan.out_dec)
+
+
+def _plan_key(func, equation: str, operands: list):
+    """Local. What a contraction's plan depends on: the equation and, per operand,
+    its layout (a DomainTensor) or shape (a plain tensor), dtype and autocast dtype
+    (which the meta checks see); None (no caching) for an operand that is no tensor."""
+    if not all(isinstance(t, torch.Tensor) for t in operands):
+        return None
+    return ("einsum", func, equation, tuple(
+        (t._dec if isinstance(t, DomainTensor) else tuple(t.shape), t.dtype,
+         autocast_dtype(t) if t.is_floating_point() else None) for t in operands))
+
+
+@dataclasses.dataclass(frozen=True)
+class _ContractPlan:
+    """What a contraction derives from layouts alone: the equation spelt out, the
+    operands to gather first ((operand, dim), in order), the iteration space's
+    layout, per operand its entry (a plain operand: ``{dim: space dim}`` it is cut
+    along; a DomainTensor: its target layout and the grid axes it is broadcast
+    along), the grid axes summed over, and the output layout (None: a plain tensor)."""
+    explicit: str
+    gathers: tuple
+    space: Decomposition
+    entries: tuple
+    contracted: frozenset
+    out_dec: Decomposition | None
+
+
+def _contract_plan(func, equation: str, operands: list) -> _ContractPlan:
+    """Local, no message. ``contract``'s plan, with torch's own checks on the meta
+    device and this module's refusals (the same on every rank: layouts only)."""
     dts = [t for t in operands if isinstance(t, DomainTensor)]
     same_grid(func, dts)
     metas = [meta(t) for t in operands]
@@ -130,12 +185,18 @@ def contract(func, equation: str, operands: list):
     for term, t in zip(terms, operands):
         for c, n in zip(term, t.shape):
             size[c] = max(size.get(c, 1), n)
-    operands = list(operands)
-    sharded, clash = _sharded_labels(func, equation, terms, operands, size)
+    decs: list[Decomposition | None] = [t._dec if isinstance(t, DomainTensor) else None
+                                        for t in operands]
+    shapes = [tuple(t.shape) for t in operands]
+    gathers = []
+    sharded, clash = _sharded_labels(func, equation, terms, decs, shapes, size)
     while clash is not None:  # two labels on one axis: gather one operand, look again
-        i, d = _to_gather(clash, out_term, operands)
-        operands[i] = _gathered(operands[i], d)
-        sharded, clash = _sharded_labels(func, equation, terms, operands, size)
+        i, d = _to_gather(clash, out_term, decs, shapes)
+        gathers.append((i, d))
+        gathered = decs[i]
+        assert gathered is not None  # _sharded_labels names DomainTensors only
+        decs[i] = layout.unsharded(gathered, [d])
+        sharded, clash = _sharded_labels(func, equation, terms, decs, shapes, size)
 
     lead = dts[0]._dec
     labels = sorted(size)
@@ -143,56 +204,48 @@ def contract(func, equation: str, operands: list):
                           {labels.index(c): a for c, (a, _) in sharded.items()},
                           {labels.index(c): s for c, (_, s) in sharded.items()})
     all_axes = {a for a, _ in sharded.values()}
-    locals_ = []
-    for term, t in zip(terms, operands):
-        dims = {d: c for d, c in enumerate(term) if c in sharded and t.shape[d] == size[c]}
-        if not isinstance(t, DomainTensor):
-            locals_.append(enter_domain(t, space, {d: labels.index(c) for d, c in dims.items()}))
+    entries: list = []
+    for term, dec, shape in zip(terms, decs, shapes):
+        dims = {d: c for d, c in enumerate(term) if c in sharded and shape[d] == size[c]}
+        if dec is None:
+            entries.append({d: labels.index(c) for d, c in dims.items()})
             continue
-        target = layout.derive(t._dec, t.shape, {d: sharded[c][0] for d, c in dims.items()},
+        target = layout.derive(dec, shape, {d: sharded[c][0] for d, c in dims.items()},
                                {d: sharded[c][1] for d, c in dims.items()})
-        lost = ({a for a in t._dec.shard.values() if t._dec.grid.dims[a] > 1}
+        lost = ({a for a in dec.shard.values() if dec.grid.dims[a] > 1}
                 - set(target.shard.values()))
         if lost:
             raise _refuse(func, equation,
-                          f"an operand sharded on {layout.sharded_dims_text(t._dec)} would have "
+                          f"an operand sharded on {layout.sharded_dims_text(dec)} would have "
                           f"to be gathered along grid axes {sorted(lost)} to match the other "
                           f"operands' labels; redistribute it")
-        local = ag.repartition(t._local, t._dec, target)
-        broadcast = all_axes - set(target.shard.values())
-        if broadcast and local.requires_grad and torch.is_grad_enabled():
-            local = ag.broadcast(local, lead.grid.sub(broadcast))
-        locals_.append(local)
-
-    out = torch.einsum(explicit, *locals_)
-    contracted = {a for c, (a, _) in sharded.items() if c not in out_term}
-    if contracted:
-        out = ag.allreduce_sum(out, lead.grid.sub(contracted))
+        entries.append((target, frozenset(all_axes - set(target.shard.values()))))
+    contracted = frozenset(a for c, (a, _) in sharded.items() if c not in out_term)
     kept = {d: c for d, c in enumerate(out_term) if c in sharded}
-    if contracted and not kept:
-        return out
-    return DomainTensor(out, layout.derive(lead, out_shape,
-                                           {d: sharded[c][0] for d, c in kept.items()},
-                                           {d: sharded[c][1] for d, c in kept.items()}))
+    out_dec = None if contracted and not kept else layout.derive(
+        lead, out_shape, {d: sharded[c][0] for d, c in kept.items()},
+        {d: sharded[c][1] for d, c in kept.items()})
+    return _ContractPlan(explicit, tuple(gathers), space, tuple(entries), contracted, out_dec)
 
 
-def _sharded_labels(func, equation: str, terms, operands, size):
+def _sharded_labels(func, equation: str, terms, decs, shapes, size):
     """Local. ``({label: (grid axis, block sizes)}, clash)``, the first DomainTensor's
-    say per label; ``clash`` is None, or ``((label, operand), (label, operand), axis)``:
-    the first two labels of two operands found sharded over one grid axis."""
+    say per label (``decs``: each operand's layout, None for a plain one; ``shapes``:
+    their global shapes); ``clash`` is None, or ``((label, operand), (label, operand),
+    axis)``: the first two labels of two operands found sharded over one grid axis."""
     sharded: dict[str, tuple[int, tuple[int, ...]]] = {}  # label -> (axis, block sizes)
     owner: dict[int, tuple[str, int]] = {}  # axis -> (label, operand)
-    for i, (term, t) in enumerate(zip(terms, operands)):
-        if not isinstance(t, DomainTensor):
+    for i, (term, dec, shape) in enumerate(zip(terms, decs, shapes)):
+        if dec is None:
             continue
-        for d, axis in t._dec.shard.items():
+        for d, axis in dec.shard.items():
             c = term[d]
-            if t._dec.grid.dims[axis] == 1:
+            if dec.grid.dims[axis] == 1:
                 continue  # one rank along the axis: the dim is whole, not cut
-            if t.shape[d] != size[c]:
+            if shape[d] != size[c]:
                 raise _refuse(func, equation,
                               f"dim {d} of an operand is sharded "
-                              f"({layout.sharded_dims_text(t._dec)}) but has size {t.shape[d]} "
+                              f"({layout.sharded_dims_text(dec)}) but has size {shape[d]} "
                               f"and broadcasts against label {c!r} of size {size[c]}")
             if term.count(c) > 1:
                 raise _refuse(func, equation, f"label {c!r} is repeated in {term!r} (a diagonal) "
@@ -201,11 +254,11 @@ def _sharded_labels(func, equation: str, terms, operands, size):
                 continue
             if axis in owner:
                 return sharded, (owner[axis], (c, i), axis)
-            sharded[c], owner[axis] = (axis, t._dec.block_sizes(d)), (c, i)
+            sharded[c], owner[axis] = (axis, dec.block_sizes(d)), (c, i)
     return sharded, None
 
 
-def _to_gather(clash, out_term: str, operands) -> tuple[int, int]:
+def _to_gather(clash, out_term: str, decs, shapes) -> tuple[int, int]:
     """Local. (operand, dim) to gather for ``clash`` (``_sharded_labels``), by the rule of
     this module: the operand whose label is contracted where the other label is kept,
     else the smaller by global element count (ties: the second)."""
@@ -214,9 +267,8 @@ def _to_gather(clash, out_term: str, operands) -> tuple[int, int]:
     if kept_first != kept_second:
         pick = j if kept_first else i
     else:
-        pick = i if math.prod(operands[i].shape) < math.prod(operands[j].shape) else j
-    dec = operands[pick]._dec
-    return pick, next(d for d, a in dec.shard.items() if a == axis)
+        pick = i if math.prod(shapes[i]) < math.prod(shapes[j]) else j
+    return pick, next(d for d, a in decs[pick].shard.items() if a == axis)
 
 
 def _gathered(t: DomainTensor, d: int) -> DomainTensor:

@@ -153,7 +153,7 @@ from ..tensor.deferred import Deferred
 from ..tensor.dispatch import TAKES_DEFERRED, UnsupportedOpError, op_name, register
 from ..tensor.domain_tensor import DomainTensor
 from . import fftband, fftplan, halfspec, index, pad, window
-from .common import bind, normalize_dims
+from .common import bind, meta_call, normalize_dims, stand_in
 
 
 @dataclasses.dataclass(frozen=True)
@@ -217,8 +217,8 @@ def fft(func, args, kwargs):
         raise UnsupportedOpError(f"{name}: out= is not supported on DomainTensors")
     if not isinstance(x, DomainTensor):
         raise UnsupportedOpError(f"{name}: only the input may be a DomainTensor")
-    # torch's own argument checks, output shape and dtype, on the global shape
-    probe = func(torch.empty(x.shape, dtype=x.dtype, device="meta"), **a)
+    # torch's own argument checks, output shape and dtype, on the global shape (cached)
+    probe = meta_call(func, stand_in(x), **a)
     fam = _FAMILIES[family]
     dims, lengths, out_lengths = _dims_and_lengths(x, form, a, fam.kind, tuple(probe.shape))
     x = _unpadded(x, dims)
@@ -261,7 +261,7 @@ def _run(fam: _Family, norm, local: torch.Tensor, dec: Decomposition, phases):
         if local.numel():
             local = call(local, **options)
         else:  # torch's FFT backends refuse empty blocks; the graph must still be built
-            meta = call(torch.empty(local.shape, dtype=local.dtype, device="meta"), **options)
+            meta = meta_call(call, stand_in(local), **options)
             like = torch.empty((), dtype=meta.dtype, device=local.device)
             local = window.placeholder(meta.shape, like, local)
         if phase.then is not None:  # no message: each rank keeps its block

@@ -158,11 +158,14 @@ def enter_domain(p: torch.Tensor, out_dec: Decomposition, sliced: Mapping[int, i
         return p[tuple(slices)] if p_shard else p
     all_axes = set(out_dec.shard.values())
     deferrer = _DEFERRER.get()
-    defer = deferrer(p, grid.sub(all_axes)) if deferrer is not None else None
-    if defer is not None:
-        # Deferred: the zero-padded partial gradient of the slice is summed later
-        # over every output axis, which assembles the sliced dims as well.
-        return ag.broadcast(p, grid.sub(all_axes), defer)[tuple(slices)]
+    if deferrer is not None:
+        comm = grid.sub(all_axes)
+        defer = deferrer(p, comm)
+        if defer is not None:
+            # Deferred: the zero-padded partial gradient of the slice is summed later
+            # over every output axis, which assembles the sliced dims as well.
+            entered = ag.broadcast(p, comm, defer)
+            return entered[tuple(slices)] if p_shard else entered
     broadcast_axes = all_axes - set(p_shard.values())
     if broadcast_axes:
         p = ag.broadcast(p, grid.sub(broadcast_axes))
