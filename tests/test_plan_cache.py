@@ -338,28 +338,33 @@ class _Products(torch.nn.Module):
         y = y + torch.einsum("nchw,h->nchw", x, self.rows)      # plain weight, cut along h
         s = torch.einsum("nchw,nchw->nc", x, y)                 # sharded labels summed
         scores = torch.einsum("nchw,ncgw->nchg", x, y)          # h and g on one axis
-        return self.spectral(y) * s[..., None, None] + scores.sum(dim=-1, keepdim=True)
+        cut = x[:, 0, None, 1:, ::2].sum() + x[..., None, :, :].sum(dim=1)  # basic slicing
+        return self.spectral(y) * s[..., None, None] + scores.sum(dim=-1, keepdim=True) + cut
 
 
 @pytest.mark.mpi
 @pytest.mark.parametrize("grid_ndim,kind", CASES)
 def test_contractions_and_spectra_plan_once(grid_ndim, kind, monkeypatch):
     """An einsum makes its plan (torch's meta einsum twice, the labels' layouts, the
-    gathers) once per equation and operand layouts, and an FFT or a pad asks
-    torch's meta kernel once per signature: the second call of the model makes no
-    contraction plan and no uncached meta call. Cache on and off, two cuts: one
+    gathers) once per equation and operand layouts, a basic slice walks its index
+    once per layout, and an FFT or a pad asks torch's meta kernel once per
+    signature: the second call of the model makes no contraction or slicing plan
+    and no meta tensor for torch's checks. Cache on and off, two cuts: one
     process's output and gradients."""
     from domainpar.ops import einsum as einsum_ops
+    from domainpar.ops import index as index_ops
     grid, shard, sizes = layout(SHAPE, CONV_SHARD_DIMS, grid_ndim, kind)
-    made = {"contract": 0}
+    made = {"contract": 0, "slicing": 0}
     monkeypatch.setattr(einsum_ops, "_contract_plan",
                         _counting(einsum_ops._contract_plan, made, "contract"))
+    monkeypatch.setattr(index_ops, "_slicing_plan",
+                        _counting(index_ops._slicing_plan, made, "slicing"))
     model = _Products()
     x = global_tensor(SHAPE, seed=17)
     _matches_cache_on_and_off(model, x, grid, shard, sizes, kind)
     plans.clear_plan_cache()
     model(shard_like(x, grid, shard, sizes))
-    first = made["contract"]
+    first, sliced = made["contract"], made["slicing"]
     # Meta tensors for torch's checks are made by torch.empty; those of
     # ``common.stand_in`` only key ``meta_call``'s cache (no kernel runs on a hit).
     empty = torch.empty
@@ -372,7 +377,9 @@ def test_contractions_and_spectra_plan_once(grid_ndim, kind, monkeypatch):
     model(shard_like(x, grid, shard, sizes))
     monkeypatch.setattr(torch, "empty", empty)
     again, metas = made["contract"] - first, made.get("meta", 0)
-    check_on_every_rank(first >= 4 and again == 0 and metas == 0,
+    sliced_again = made["slicing"] - sliced
+    check_on_every_rank(first >= 4 and again == 0 and sliced >= 2 and sliced_again == 0
+                        and metas == 0,
                         f"contraction plans: {first} by the first call, {again} by the call "
-                        f"after; meta tensors made for torch's checks by the call after: "
-                        f"{metas}")
+                        f"after; slicing plans: {sliced}, then {sliced_again}; meta tensors "
+                        f"made for torch's checks by the call after: {metas}")

@@ -327,12 +327,61 @@ def getitem(func, args, kwargs):
         taken = x.narrowed(index)
         if taken is not None:
             return taken
+    key = _slicing_key(x, index)
+    plan = None if key is None else layout.planned(key, lambda: _slicing_plan(func, x, index))
+    if plan is not None:  # slices, None, Ellipsis, ints on whole dims: one local index
+        return DomainTensor(x._local[plan[0]], plan[1])
     local, dec, drop, squeeze_int = _basic_plan(func, x, index)
     local, dec = _unshard_and_drop(local, dec, sorted(drop + squeeze_int))
     return DomainTensor(local, dec)
 
 
 TAKES_DEFERRED.add(T.__getitem__)
+
+
+def _slicing_key(x: DomainTensor, index):
+    """Local. The plan key of a basic index made of slices (int or None fields),
+    None, Ellipsis and Python ints; None for any other index (no plan)."""
+    items = index if isinstance(index, tuple) else (index,)
+    key: list = []
+    for i in items:
+        if isinstance(i, slice):
+            fields = (i.start, i.stop, i.step)
+            if not all(f is None or type(f) is int for f in fields):
+                return None
+            key.append(fields)
+        elif i is None or i is Ellipsis or type(i) is int:
+            key.append(i)
+        else:
+            return None
+    return ("getitem", x._dec, tuple(key))
+
+
+def _slicing_plan(func, x: DomainTensor, index):
+    """Local. (this rank's index into its block, the output layout) of a basic
+    index (``_slicing_key``) that needs no message: the walk of ``_basic_plan``
+    done once, its result read back as one index of the block. None where an int
+    lands on a sharded dim (a repartition: the general path)."""
+    local, dec, drop, squeeze_int = _basic_plan(func, x, index)
+    if squeeze_int:
+        return None
+    local, dec = _unshard_and_drop(local, dec, sorted(drop))
+    src, d = x._dec, 0  # d: the dim of the block that the next item reads
+    mine: list[int | slice | None] = []
+    for it in _expand_index(func, index, src.ndim):
+        if it is None or type(it) is int:
+            mine.append(it if it is None else it % src.global_shape[d])
+            d += it is not None
+            continue
+        start, stop, step = _norm_slice(it, src.global_shape[d], func)
+        if d in src.shard:
+            n, lo = _slice_sizes(src, d, start, stop, step)[src.grid.coords[src.shard[d]]]
+            start, stop = lo, lo + (n - 1) * step + 1 if n else lo
+        mine.append(slice(start, stop, step))
+        d += 1
+    if tuple(x._local[tuple(mine)].shape) != tuple(local.shape):  # the walk's own result
+        return None
+    return tuple(mine), dec
 
 
 @register(T.narrow, torch.narrow)
