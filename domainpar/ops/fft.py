@@ -217,10 +217,13 @@ def fft(func, args, kwargs):
         raise UnsupportedOpError(f"{name}: out= is not supported on DomainTensors")
     if not isinstance(x, DomainTensor):
         raise UnsupportedOpError(f"{name}: only the input may be a DomainTensor")
-    # torch's own argument checks, output shape and dtype, on the global shape (cached)
-    probe = meta_call(func, stand_in(x), **a)
+    # torch's own argument checks, output shape and dtype, on the global shape (planned)
+    out_shape, out_dtype = layout.planned(
+        ("fft", func, x._dec, x.dtype, tuple((k, tuple(v) if isinstance(v, list) else v)
+                                             for k, v in a.items())),
+        lambda: _probe(func, x, a))
     fam = _FAMILIES[family]
-    dims, lengths, out_lengths = _dims_and_lengths(x, form, a, fam.kind, tuple(probe.shape))
+    dims, lengths, out_lengths = _dims_and_lengths(x, form, a, fam.kind, out_shape)
     x = _unpadded(x, dims)
     # the r2c dim alone first, so that a slice can narrow it before the others; the
     # c2r dim alone last where its input is narrower than its half spectrum (torch
@@ -238,7 +241,7 @@ def fft(func, args, kwargs):
     head = moves[0] if moves else 1  # the phases before the first transpose
     if start is None and 0 < head < len(phases) and fam.kind != "c2r":
         return _deferred(func, fam, a["norm"], (local, dec), phases[:head], phases[head:],
-                         (dims, lengths, out_lengths, probe.dtype))
+                         (dims, lengths, out_lengths, out_dtype))
     local, dec = _run(fam, a["norm"], local, dec, phases)
     if start is not None:  # back to the input's grid and cut dims, balanced
         xd = x._dec
@@ -246,6 +249,13 @@ def fft(func, args, kwargs):
                              {k: xd.block_sizes(k) for k in xd.shard if k not in dims})
         local, dec = ag.repartition(local, dec, back), back
     return DomainTensor(local, dec)
+
+
+def _probe(func, x: DomainTensor, options: dict) -> tuple:
+    """Local. (output shape, dtype) of the transform on ``x``'s global shape, by
+    torch on the meta device (its own argument checks)."""
+    out = func(stand_in(x), **options)
+    return tuple(out.shape), out.dtype
 
 
 TAKES_DEFERRED.update(_FORMS)  # a deferred zero pad reaches the rule as it is (``_unpadded``)

@@ -46,7 +46,7 @@ from ..tensor.deferred import Deferred
 from ..tensor.dispatch import UnsupportedOpError, op_name, register
 from ..tensor.domain_tensor import DomainTensor
 from . import window
-from .common import bind, meta_call, stand_in
+from .common import bind, stand_in
 
 _MODES = ("constant", "reflect", "replicate", "circular")
 # A deferred zero pad's mark on its result: (a copy of its input, the widened dims).
@@ -182,7 +182,9 @@ def pad(func, args, kwargs):
     if not isinstance(x, DomainTensor):
         raise UnsupportedOpError(f"{op_name(func)}: only the input may be a DomainTensor")
     # torch's own checks (mode, pad length, widths against sizes) on the global shape
-    out_shape = tuple(meta_call(torch._C._nn.pad, stand_in(x), a["pad"], mode, value).shape)
+    widths = tuple(a["pad"]) if isinstance(a["pad"], (list, tuple)) else a["pad"]
+    out_shape = layout.planned(("pad", x._dec, x.dtype, widths, mode, value), lambda: tuple(
+        torch._C._nn.pad(stand_in(x), a["pad"], mode, value).shape))
     dec = x._dec
     pads = _pads_by_dim(a["pad"], x.ndim)
     sharded = {d: p for d, p in pads.items() if d in dec.shard and p != (0, 0)}

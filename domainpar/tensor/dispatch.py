@@ -161,14 +161,27 @@ def flat(args: Sequence[Any], kwargs: Mapping[str, Any]) -> bool:
         for a in (*args, *kwargs.values()))
 
 
+def leaves(args: Sequence[Any], kwargs: Mapping[str, Any]) -> list[Any]:
+    """Local. The call's pytree leaves, in pytree's order: without a tree walk where
+    every argument is a tensor, a plain value, or a list or tuple of those (with
+    the plan cache on, as ``flat``)."""
+    out: list[Any] = []
+    for a in (*args, *kwargs.values()):
+        if isinstance(a, torch.Tensor) or type(a) in _LEAF_TYPES:
+            out.append(a)
+        elif type(a) in (list, tuple) and all(isinstance(v, torch.Tensor)
+                                              or type(v) in _LEAF_TYPES for v in a):
+            out.extend(a)
+        else:
+            return pytree.tree_leaves((args, kwargs))
+    return out if layout.ENABLED else pytree.tree_leaves((args, kwargs))
+
+
 def domain_tensors(args: Iterable[Any],
                    kwargs: Mapping[str, Any] | None = None) -> list[DomainTensor]:
     """The DomainTensors among (nested) ``args`` and ``kwargs``, in order."""
     from .domain_tensor import DomainTensor
-    args, kwargs = tuple(args), kwargs or {}
-    leaves = (*args, *kwargs.values()) if flat(args, kwargs) \
-        else pytree.tree_leaves((args, kwargs))
-    return [a for a in leaves if isinstance(a, DomainTensor)]
+    return [a for a in leaves(tuple(args), kwargs or {}) if isinstance(a, DomainTensor)]
 
 
 def same_grid(func: Any, tensors: Sequence[DomainTensor], *, merged_ok: bool = False) -> None:
@@ -220,7 +233,7 @@ def handle(func: Func, types: object, args: Args = (), kwargs: Kwargs | None = N
         return _attribute(func, name, args, kwargs)
     rule = _RULES.get(func)
     if _PENDING and func not in TAKES_DEFERRED:
-        _complete(pytree.tree_leaves((args, kwargs)))
+        _complete(leaves(args, kwargs))
     refusal = aliasing.write_refusal(func, args, kwargs) if _may_refuse(args, kwargs) else None
     if refusal is not None:
         raise UnsupportedOpError(f"{op_name(func)}: {refusal}")
