@@ -87,7 +87,16 @@ def plan(name: str, dec: Decomposition, dims, lengths, out_lengths, kind,
     ``dims`` (torch's order; the half dim last) with input lengths ``lengths``
     (c2r: output lengths) and output sizes ``out_lengths``; ``done``: dims an
     earlier part of the call transformed; ``split``: the half dim in a phase of
-    its own (``ops/fft.py``, "Slices of a spectrum")."""
+    its own (``ops/fft.py``, "Slices of a spectrum"). Planned once per arguments
+    (``layout.planned``); a refusal is raised each time."""
+    args = (name, dec, tuple(dims), tuple(lengths), tuple(out_lengths), kind, tuple(done),
+            split)
+    return list(layout.planned(("fftplan", *args), lambda: tuple(_plan(*args))))
+
+
+def _plan(name: str, dec: Decomposition, dims, lengths, out_lengths, kind,
+          done: tuple[int, ...], split: bool) -> list[Phase]:
+    """``plan`` made afresh."""
     length = dict(zip(dims, lengths))
     out_length = dict(zip(dims, out_lengths))
     half = dims[-1] if kind else None
@@ -122,7 +131,15 @@ def plan(name: str, dec: Decomposition, dims, lengths, out_lengths, kind,
 
 def phases(name: str, dec: Decomposition, dims, lengths, out_lengths, kind, split):
     """Local. The plan, and None; or, where no dim can take a cut transform dim's grid
-    axis, the plan from a layout ``start`` on a merged grid, and ``start``."""
+    axis, the plan from a layout ``start`` on a merged grid, and ``start``. Planned
+    once per arguments."""
+    args = (name, dec, tuple(dims), tuple(lengths), tuple(out_lengths), kind, split)
+    found, start = layout.planned(("fftphases", *args), lambda: _phases(*args))
+    return list(found), start
+
+
+def _phases(name: str, dec: Decomposition, dims, lengths, out_lengths, kind, split):
+    """``phases`` made afresh."""
     try:
         return plan(name, dec, dims, lengths, out_lengths, kind, split=split), None
     except UnsupportedOpError as refusal:
