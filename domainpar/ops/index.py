@@ -369,9 +369,12 @@ def _slicing_plan(func, x: DomainTensor, index):
     src, d = x._dec, 0  # d: the dim of the block that the next item reads
     mine: list[int | slice | None] = []
     for it in _expand_index(func, index, src.ndim):
-        if it is None or type(it) is int:
-            mine.append(it if it is None else it % src.global_shape[d])
-            d += it is not None
+        if it is None:  # a new dim: reads none of the block's
+            mine.append(None)
+            continue
+        if type(it) is int:  # on a whole dim (``_basic_plan`` checked its bounds)
+            mine.append(it % src.global_shape[d])
+            d += 1
             continue
         start, stop, step = _norm_slice(it, src.global_shape[d], func)
         if d in src.shard:

@@ -165,6 +165,8 @@ def leaves(args: Sequence[Any], kwargs: Mapping[str, Any]) -> list[Any]:
     """Local. The call's pytree leaves, in pytree's order: without a tree walk where
     every argument is a tensor, a plain value, or a list or tuple of those (with
     the plan cache on, as ``flat``)."""
+    if not layout.ENABLED:
+        return pytree.tree_leaves((args, kwargs))
     out: list[Any] = []
     for a in (*args, *kwargs.values()):
         if isinstance(a, torch.Tensor) or type(a) in _LEAF_TYPES:
@@ -174,7 +176,7 @@ def leaves(args: Sequence[Any], kwargs: Mapping[str, Any]) -> list[Any]:
             out.extend(a)
         else:
             return pytree.tree_leaves((args, kwargs))
-    return out if layout.ENABLED else pytree.tree_leaves((args, kwargs))
+    return out
 
 
 def domain_tensors(args: Iterable[Any],
