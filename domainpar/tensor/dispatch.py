@@ -152,13 +152,17 @@ _LEAF_TYPES = frozenset((int, float, bool, complex, str, type(None), torch.dtype
                          torch.layout, torch.memory_format))
 
 
+def _leaf(a: Any) -> bool:
+    """Whether pytree takes ``a`` as a leaf without looking inside: a tensor or a
+    plain value of ``_LEAF_TYPES``."""
+    return isinstance(a, torch.Tensor) or type(a) in _LEAF_TYPES
+
+
 def flat(args: Sequence[Any], kwargs: Mapping[str, Any]) -> bool:
     """Local. Whether the plan cache is on and every argument is a tensor or a
     plain value (no list, tuple or dict to walk): then ``(*args,
     *kwargs.values())`` are the call's pytree leaves, in pytree's order."""
-    return layout.ENABLED and all(
-        isinstance(a, torch.Tensor) or type(a) in _LEAF_TYPES
-        for a in (*args, *kwargs.values()))
+    return layout.ENABLED and all(_leaf(a) for a in (*args, *kwargs.values()))
 
 
 def leaves(args: Sequence[Any], kwargs: Mapping[str, Any]) -> list[Any]:
@@ -169,10 +173,9 @@ def leaves(args: Sequence[Any], kwargs: Mapping[str, Any]) -> list[Any]:
         return pytree.tree_leaves((args, kwargs))
     out: list[Any] = []
     for a in (*args, *kwargs.values()):
-        if isinstance(a, torch.Tensor) or type(a) in _LEAF_TYPES:
+        if _leaf(a):
             out.append(a)
-        elif type(a) in (list, tuple) and all(isinstance(v, torch.Tensor)
-                                              or type(v) in _LEAF_TYPES for v in a):
+        elif type(a) in (list, tuple) and all(_leaf(v) for v in a):
             out.extend(a)
         else:
             return pytree.tree_leaves((args, kwargs))
